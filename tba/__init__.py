@@ -1,0 +1,69 @@
+"""tba: offload the activations PyTorch saves for backward to local SSD, and prefetch them back.
+
+    import tba
+    off = tba.Offloader(tba.Config(spill_dir="/nvme/tba"))
+    with off.step(model):
+        loss = model(batch)
+    loss.backward()
+    print(off.stats())
+
+or, configured from ``TBA_*`` variables only: ``with tba.offload(model): ...``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from typing import Any
+
+from .config import Config
+from .errors import (
+    CapacityError,
+    ConfigError,
+    StorageError,
+    TBAError,
+    UnpackError,
+    UsageError,
+)
+from .offloader import Offloader
+from .stats import PINNED_KEYS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "CapacityError",
+    "Offloader",
+    "PINNED_KEYS",
+    "StorageError",
+    "TBAError",
+    "UnpackError",
+    "UsageError",
+    "default_offloader",
+    "offload",
+]
+
+_default: Offloader | None = None
+_default_lock = threading.Lock()
+
+
+def default_offloader() -> Offloader:
+    """The process-wide Offloader, built from the environment on first use."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Offloader(Config())
+            atexit.register(_default.close)
+        return _default
+
+
+def offload(model: Any = None) -> contextlib.AbstractContextManager:
+    """``with tba.offload(model): loss = model(x)``: the process-wide Offloader's step.
+
+    With ``TBA_ENABLED=0`` it does nothing and creates nothing.
+    """
+    if not Config().enabled:
+        return contextlib.nullcontext()
+    return default_offloader().step(model)

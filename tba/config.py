@@ -1,0 +1,377 @@
+"""`tba.Config`: every setting, its ``TBA_*`` variable, its parser and its help text.
+
+This module is the only reader of ``os.environ`` in tba. Precedence, per field: an explicit
+argument beats the environment, which beats the default. All problems are collected and raised
+together as one :class:`tba.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Config", "parse_size", "format_size", "BACKENDS", "CHECKSUMS"]
+
+BACKENDS = ("auto", "native", "posix", "kvikio", "buffered", "memory")
+CHECKSUMS = ("off", "crc32", "crc32c", "xxh64")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+_UNSET: Any = object()
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+
+
+class _Bad(Exception):
+    """Internal: a value failed to parse; the text says what is accepted."""
+
+
+def parse_size(value: Any) -> int:
+    """Parse ``4096``, ``"64MiB"``, ``"1.5GB"`` or ``"4k"`` into bytes.
+
+    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000.
+    """
+    if isinstance(value, bool):
+        raise _Bad("a size, such as 4096, 64MiB or 1GiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise _Bad("a size of 0 or more bytes")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n.is_integer() or m.group(2):
+                return int(n)
+    raise _Bad("a size, such as 4096, 64MiB or 1GiB")
+
+
+def format_size(n: int) -> str:
+    """Human-readable binary size, e.g. ``64.0 MiB``."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off", ""):
+            return False
+    raise _Bad("1 or 0 (also true/false, yes/no, on/off)")
+
+
+def _count(minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise _Bad(f"a whole number >= {minimum}")
+        try:
+            n = int(value.strip()) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            raise _Bad(f"a whole number >= {minimum}") from None
+        if isinstance(value, float) and not value.is_integer():
+            raise _Bad(f"a whole number >= {minimum}")
+        if n < minimum:
+            raise _Bad(f"a whole number >= {minimum}")
+        return n
+
+    return parse
+
+
+def _size_at_least(minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        n = parse_size(value)
+        if n < minimum:
+            raise _Bad(f"a size of at least {format_size(minimum)}, such as 64MiB")
+        return n
+
+    return parse
+
+
+def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str):
+            raise _Bad("one of " + "|".join(options))
+        v = value.strip().upper() if upper else value.strip().lower()
+        if v not in options:
+            raise _Bad("one of " + "|".join(options))
+        return v
+
+    return parse
+
+
+def _path(value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a directory path")
+    return os.path.abspath(os.path.expanduser(value.strip()))
+
+
+def _optional_path(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return _path(value)
+
+
+def _quota(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    n = parse_size(value)
+    if n == 0:
+        raise _Bad(
+            "a size such as 100GiB, or 'none' for no quota (0 would forbid every offload; "
+            "use TBA_ENABLED=0 to turn tba off)"
+        )
+    return n
+
+
+def _optional_rank(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return _count(0)(value)
+
+
+def _default_spill_dir() -> str:
+    # /var/tmp is disk-backed on common distributions, unlike /tmp, which is often tmpfs.
+    return f"/var/tmp/tba-{os.getuid()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    env: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    fallback_env: tuple[str, ...] = ()
+
+
+_FIELDS: dict[str, _Field] = {
+    "enabled": _Field(
+        "TBA_ENABLED", _bool, True, "Master switch. 0 turns every tba entry point into a no-op."
+    ),
+    "spill_dir": _Field(
+        "TBA_SPILL_DIR",
+        _path,
+        None,
+        "Root directory for spill files, on a local NVMe drive (not tmpfs). tba makes a 0700 "
+        "sub-directory per process inside it. Default: /var/tmp/tba-<uid>.",
+    ),
+    "backend": _Field(
+        "TBA_BACKEND",
+        _choice(BACKENDS),
+        "auto",
+        "I/O backend. 'auto' probes each with a real write and read and takes the first that "
+        "works; naming one forces it, or fails with the probe's reason.",
+    ),
+    "min_offload_bytes": _Field(
+        "TBA_MIN_OFFLOAD_BYTES",
+        parse_size,
+        1 << 20,
+        "Saved tensors smaller than this stay in memory: tiny I/Os cost more than they save.",
+    ),
+    "io_threads": _Field(
+        "TBA_IO_THREADS",
+        _count(1),
+        4,
+        "Threads issuing reads and writes. More gives more requests in flight on the drive.",
+    ),
+    "staging_bytes": _Field(
+        "TBA_STAGING_BYTES",
+        _size_at_least(1 << 20),
+        256 << 20,
+        "Size of the aligned (pinned on CUDA) staging pool. When it is full, new tensors stay "
+        "resident rather than block the forward pass; they are counted in tensors_kept.",
+    ),
+    "prefetch_bytes": _Field(
+        "TBA_PREFETCH_BYTES",
+        _size_at_least(1 << 20),
+        128 << 20,
+        "Most bytes of reads in flight, or read back and not yet used, during backward.",
+    ),
+    "keep_last": _Field(
+        "TBA_KEEP_LAST",
+        _count(0),
+        1,
+        "The last K groups (blocks) of the forward stay resident: backward needs them first. "
+        "0 keeps none.",
+    ),
+    "max_disk_bytes": _Field(
+        "TBA_MAX_DISK_BYTES",
+        _quota,
+        None,
+        "Quota on the spill files of this process, e.g. 100GiB. 'none' (default) means only the "
+        "free-space check applies. Over quota, tensors stay in memory and are counted.",
+    ),
+    "min_free_bytes": _Field(
+        "TBA_MIN_FREE_BYTES",
+        parse_size,
+        1 << 30,
+        "Free space tba leaves on the spill filesystem for everything else.",
+    ),
+    "slab_bytes": _Field(
+        "TBA_SLAB_BYTES",
+        _size_at_least(1 << 20),
+        1 << 30,
+        "Size of each preallocated spill file. Extents inside slabs are reused.",
+    ),
+    "group_bytes": _Field(
+        "TBA_GROUP_BYTES",
+        _size_at_least(1 << 20),
+        64 << 20,
+        "Without a model to take blocks from, a new group starts every this many packed bytes.",
+    ),
+    "checksum": _Field(
+        "TBA_CHECKSUM",
+        _choice(CHECKSUMS),
+        "off",
+        "Verify every read against a checksum taken at write time. crc32 needs nothing extra; "
+        "crc32c needs google-crc32c, xxh64 needs xxhash.",
+    ),
+    "metrics_dir": _Field(
+        "TBA_METRICS_DIR",
+        _optional_path,
+        None,
+        "Directory for prometheus-client multiprocess files, served by `tba sidecar`.",
+    ),
+    "log_level": _Field(
+        "TBA_LOG_LEVEL",
+        _choice(LOG_LEVELS, upper=True),
+        "WARNING",
+        "Level of the 'tba' logger.",
+    ),
+    "rank": _Field(
+        "TBA_RANK",
+        _optional_rank,
+        None,
+        "Rank used in logs, directory names and metrics. Default: $RANK, else 0.",
+        fallback_env=("RANK",),
+    ),
+}
+
+ENV_NAMES = {f.env: name for name, f in _FIELDS.items()}
+
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env(environ: Mapping[str, str]) -> None:
+    for key in environ:
+        if not key.startswith("TBA_") or key in ENV_NAMES or key in _warned_env:
+            continue
+        _warned_env.add(key)
+        close = difflib.get_close_matches(key, list(ENV_NAMES), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(ENV_NAMES)}"
+        warnings.warn(
+            f"tba.config: unknown environment variable {key} is ignored{hint}",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every tba setting. ``Config()`` reads the ``TBA_*`` environment; arguments override it.
+
+    Sizes accept ``4096``, ``"64MiB"``, ``"1GiB"``. See :meth:`describe` for each field's help.
+    """
+
+    enabled: bool = _UNSET
+    spill_dir: str = _UNSET
+    backend: str = _UNSET
+    min_offload_bytes: int = _UNSET
+    io_threads: int = _UNSET
+    staging_bytes: int = _UNSET
+    prefetch_bytes: int = _UNSET
+    keep_last: int = _UNSET
+    max_disk_bytes: int | None = _UNSET
+    min_free_bytes: int = _UNSET
+    slab_bytes: int = _UNSET
+    group_bytes: int = _UNSET
+    checksum: str = _UNSET
+    metrics_dir: str | None = _UNSET
+    log_level: str = _UNSET
+    rank: int | None = _UNSET
+    # Where each value came from ("argument", "env", "default"); not compared.
+    sources: Mapping[str, str] = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    environ: Mapping[str, str] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        environ = os.environ if self.environ is None else self.environ
+        _warn_unknown_env(environ)
+        problems: list[str] = []
+        sources: dict[str, str] = {}
+        for name, f in _FIELDS.items():
+            raw = getattr(self, name)
+            where = "argument"
+            label = f"{name}={raw!r}"
+            if raw is _UNSET:
+                env_key = next((k for k in (f.env, *f.fallback_env) if k in environ), None)
+                if env_key is not None:
+                    raw, where = environ[env_key], "env"
+                    label = f"{env_key}={raw!r}"
+                else:
+                    raw, where = f.default, "default"
+            try:
+                value = None if (raw is None and f.default is None) else f.parse(raw)
+            except _Bad as bad:
+                problems.append(f"{label} is invalid; expected {bad}.")
+                value = f.default
+            object.__setattr__(self, name, value)
+            sources[name] = where
+        if self.spill_dir is None:
+            object.__setattr__(self, "spill_dir", _default_spill_dir())
+        if self.rank is None:
+            object.__setattr__(self, "rank", 0)
+        object.__setattr__(self, "sources", sources)
+        object.__setattr__(self, "environ", None)
+        if problems:
+            raise ConfigError(problems)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some fields changed (explicit arguments keep their precedence)."""
+        current = {n: getattr(self, n) for n in _FIELDS if self.sources.get(n) == "argument"}
+        current.update(changes)
+        return Config(**current)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in _FIELDS}
+
+    @staticmethod
+    def describe() -> list[tuple[str, str, Any, str]]:
+        """(field, environment variable, default, help) for every setting."""
+        return [(n, f.env, f.default, f.help) for n, f in _FIELDS.items()]

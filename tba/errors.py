@@ -1,0 +1,84 @@
+"""Typed errors. Each also inherits the built-in type a caller would naturally catch.
+
+Every message follows one shape: ``tba.<component>: what happened, the numbers. The fix.``
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class TBAError(Exception):
+    """Base class of every error tba raises on purpose."""
+
+
+class ConfigError(TBAError, ValueError):
+    """One or more configuration values are invalid. ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str] | str):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            msg = f"tba.config: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"tba.config: {len(self.problems)} problems:\n{lines}"
+        super().__init__(msg)
+
+
+class StorageError(TBAError, OSError):
+    """An I/O operation on a spill file failed. Carries the file, offset, byte count and errno."""
+
+    def __init__(
+        self,
+        op: str,
+        path: str,
+        offset: int,
+        nbytes: int,
+        err: int,
+        hint: str = "",
+    ):
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        name = _errno.errorcode.get(err, str(err))
+        text = f"tba.storage: {op} of {nbytes} bytes at offset {offset} in {path} failed: "
+        text += f"{name} ({os.strerror(err)})."
+        if hint:
+            text += f" {hint}"
+        OSError.__init__(self, err, text)
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError's default adds "[Errno n]"; ours already names it
+        return self.strerror or ""
+
+    def __reduce__(self):
+        return (StorageError, (self.op, self.path, self.offset, self.nbytes, self.errno))
+
+
+class CapacityError(TBAError, RuntimeError):
+    """A bounded resource (staging, disk quota) cannot hold a request, and keeping is not allowed."""
+
+
+class UsageError(TBAError, RuntimeError):
+    """The API was used in an order it does not support (nested steps, a closed Offloader)."""
+
+
+class UnpackError(TBAError, RuntimeError):
+    """A saved tensor cannot be given back to autograd exactly (e.g. it was modified in place)."""
+
+
+def hint_for(err: int) -> str:
+    """The fix we suggest for an errno met on a spill file."""
+    if err in (_errno.ENOSPC, _errno.EDQUOT):
+        return "Free space on the spill filesystem, or lower TBA_MAX_DISK_BYTES."
+    if err == _errno.EINVAL:
+        return "The filesystem may refuse O_DIRECT: try TBA_BACKEND=buffered."
+    if err in (_errno.EIO, _errno.ENXIO, _errno.ENODEV):
+        return "The device reported an I/O error: check dmesg and the drive's health."
+    if err in (_errno.EACCES, _errno.EPERM):
+        return "Check the permissions of TBA_SPILL_DIR."
+    return ""

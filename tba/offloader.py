@@ -1,0 +1,544 @@
+"""`tba.Offloader`: owns the backend, staging, cache and scheduler, and moves the bytes.
+
+Locking: one re-entrant lock guards the cache, the entries' states, the budgets and the
+counters. I/O completions arrive on I/O threads and take it too. Waiting on I/O (stalls) and
+``Ticket.wait`` happen outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._memory import as_memoryview
+from .cache import (
+    CAPTURE,
+    DEAD,
+    FAILED,
+    MEMORY,
+    ON_DISK,
+    WRITING,
+    Cache,
+    Entry,
+    Handle,
+    KeptHandle,
+    modified_error,
+)
+from .config import Config
+from .device import CpuAdapter, DeviceAdapter, adapter_for
+from .errors import StorageError, TBAError, UsageError
+from .hook import OffloadHooks
+from .policy import Policy
+from .scheduler import GroupTracker, Prefetcher
+from .staging import StagingPool
+from .stats import StepState
+
+log = logging.getLogger("tba")
+
+
+class Offloader:
+    """Offloads the tensors autograd saves during ``with off.step(): ...`` to local disk.
+
+    Long-lived: it owns the spill files, the staging pool and the I/O threads. Use one per
+    process (or per model) and call :meth:`close` at the end, or use it as a context manager.
+    """
+
+    def __init__(self, config: Config | None = None, **overrides: Any):
+        if config is None:
+            config = Config(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        if config.sources.get("log_level") != "default":
+            log.setLevel(config.log_level)  # only when asked: the application owns logging
+        self.enabled = config.enabled
+        self.closed = False
+        self._lock = threading.RLock()
+        self._steps = 0
+        self._current: StepState | None = None
+        self._last: StepState | None = None
+        self._active_thread: int | None = None
+        self._seq = 0
+        self._disk_in_use = 0
+        self._disk_full_step = -1
+        self._warned: set[str] = set()
+        self._pending: set[Future] = set()
+        self._live: set[Entry] = set()
+        self.param_storages: frozenset[int] = frozenset()
+        if not self.enabled:
+            self.backend = None
+            return
+        from .storage import open_backend
+
+        self.backend = open_backend(config)
+        self.align = self.backend.alignment
+        self.cache = Cache(self, self._lock)
+        self.policy = Policy(config.min_offload_bytes)
+        self.groups = GroupTracker(config.keep_last, config.group_bytes)
+        self.prefetcher = Prefetcher(config.prefetch_bytes, self._start_read)
+        self._adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
+        self._capture_pool: Any = None
+
+    # -- public surface -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, model: nn.Module | None = None) -> Iterator[Offloader]:
+        """Offload what autograd saves inside this block. Backward may run after it ends.
+
+        ``model`` lets tba take groups from its blocks (see NOTE [Groups]); without it, groups
+        are pack-order windows.
+        """
+        if not self.enabled:
+            yield self
+            return
+        if self.closed:
+            raise UsageError("tba.offloader: step() on a closed Offloader; create a new one.")
+        me = threading.get_ident()
+        with self._lock:
+            if self._active_thread is not None:
+                raise UsageError(
+                    "tba.offloader: step() is already active; steps do not nest. End the "
+                    "current `with off.step():` block before starting another."
+                )
+            self._active_thread = me
+            self._steps += 1
+            st = StepState(self._steps)
+            self._current = st
+            if model is not None:
+                self.param_storages = self._model_storages(model)
+            self.groups.begin(st, model)
+        try:
+            with OffloadHooks(self, st):
+                yield self
+        finally:
+            with self._lock:
+                self.groups.end()
+                st.finish_forward()
+                self._active_thread = None
+                self.param_storages = frozenset()
+                self._last = st
+                self.prefetcher.arm(st)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the last step whose forward has ended (see ARCHITECTURE.md for keys)."""
+        with self._lock:
+            st = self._last
+            if st is None:
+                st = StepState(0)
+            out = st.snapshot(self._disk_in_use)
+            if self.enabled:
+                out["backend"] = self.backend.name
+                out["backend_reason"] = self.backend.reason
+                out["keep_last"] = self.config.keep_last
+                out["resident_bytes"] = self.cache.resident
+                out["prefetch_inflight_bytes"] = self.prefetcher.inflight
+                out["live_entries"] = len(self._live)
+            return out
+
+    def synchronize(self) -> None:
+        """Wait until every write and read issued so far has completed."""
+        if self.enabled:
+            self._drain()
+
+    def close(self) -> None:
+        """Finish in-flight I/O, bring back what live graphs still need, close the files."""
+        if self.closed or not self.enabled:
+            self.closed = True
+            return
+        with self._lock:
+            self.closed = True
+            self.prefetcher.drop_plans()
+        self._drain()
+        with self._lock:
+            survivors = [e for e in self._live if e.state == ON_DISK and e.host is None]
+        if survivors:
+            log.warning(
+                "tba.offloader: closing while %d saved tensors are still needed by live graphs; "
+                "reading them back into memory",
+                len(survivors),
+            )
+            for e in survivors:
+                with self._lock:
+                    if e.state == ON_DISK and e.host is None and e.extent is not None:
+                        self._start_read(e)
+            self._drain()
+            with self._lock:
+                for e in survivors:
+                    if e.host is not None:
+                        self._free_extent(e)
+                        e.state = MEMORY
+        if self._capture_pool is not None:
+            self._capture_pool.shutdown(wait=True)
+        self.backend.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- pack side (called by the hook) -------------------------------------------------------
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def reuse(self, h: Handle | KeptHandle, st: StepState) -> Handle | KeptHandle:
+        """The same view saved again: no new bytes, one more use."""
+        st.dedup_hits += 1
+        if isinstance(h, Handle):
+            e = h.entry
+            h.packs += 1
+            e.uses += 1
+            e.left += 1
+            e.seq = self.next_seq()
+        return h
+
+    def keep(self, t: torch.Tensor, key: Any, nbytes: int, reason: str, st: StepState):
+        st.keep(reason)
+        ke = self.cache.kept_entry(key[0], nbytes)
+        ke.handles += 1
+        h = KeptHandle(t, ke, key)
+        self.cache.add_handle(h)
+        return h
+
+    def offload(
+        self,
+        t: torch.Tensor,
+        storage: Any,
+        key: Any,
+        whole: bool,
+        nbytes: int,
+        stride: tuple[int, ...],
+        offset: int,
+        st: StepState,
+    ) -> Handle | str:
+        """Capture ``t`` and start its write. Returns the handle, or the reason to keep it."""
+        ekey = (key[0], key[5]) if whole else key
+        e = self.cache.entries.get(ekey) if whole else None
+        if e is not None and e.state not in (DEAD, FAILED):
+            st.dedup_hits += 1
+        else:
+            e = self._new_entry(t, storage, ekey, whole, nbytes, stride, st)
+            if isinstance(e, str):
+                return e
+        h = Handle(e, t, stride, offset, key)
+        e.handles += 1
+        e.uses += 1
+        e.left += 1
+        e.seq = self.next_seq()
+        self.cache.add_handle(h)
+        return h
+
+    def _new_entry(self, t, storage, ekey, whole, nbytes, stride, st: StepState) -> Entry | str:
+        if self._disk_full_step == st.index:
+            return "disk_full"
+        adapter, staging = self._device(t.device)
+        block = staging.alloc(nbytes)
+        if block is None:
+            return "staging_full"
+        extent = self.backend.allocate(nbytes)
+        if extent is None:
+            staging.free(block)
+            self._disk_full_step = st.index
+            self._warn_once("disk_full", "tba: no disk space within quota; keeping in memory")
+            return "disk_full"
+        if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
+            staging.free(block)
+            self.backend.free(extent)
+            raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
+        e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
+        e.staging, e.extent, e.padded = block, extent, block.length
+        self.cache.charge(block.length)
+        self._disk_in_use += extent.length
+        st.peak_disk_bytes = max(st.peak_disk_bytes, self._disk_in_use)
+        if whole:
+            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            dst = block.tensor[:nbytes]
+            self.cache.entries[ekey] = e
+        else:
+            src = t
+            dst = block.tensor[:nbytes].view(t.dtype).as_strided(t.shape, stride)
+        if block.length > nbytes:
+            block.tensor[nbytes:].zero_()  # zero-padded tail
+        e.ticket = adapter.capture(dst, src)
+        e.check = (t, t._version)
+        self._live.add(e)
+        st.tensors_offloaded += 1
+        st.bytes_offloaded += nbytes
+        st.entries.append(e)
+        if e.ticket.done():
+            self._captured(e)
+        else:
+            fut = self._capture_executor().submit(self._await_capture, e)
+            self._pending.add(fut)
+            fut.add_done_callback(self._discard_pending)
+        return e
+
+    def _discard_pending(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def _await_capture(self, e: Entry) -> None:
+        e.ticket.wait()
+        with self._lock:
+            self._captured(e)
+
+    def _captured(self, e: Entry) -> None:
+        """The staging bytes are final: verify the source was not modified, then write."""
+        src, version = e.check
+        e.check = None
+        e.ticket = None
+        if src._version != version:
+            e.error = modified_error(src.shape, src.dtype, src._version, version)
+            e.state = FAILED
+            self._release_io_resources(e)
+            return
+        if e.state == DEAD:
+            self._release_io_resources(e)
+            return
+        e.state = WRITING
+        e.io_busy = True
+        fut = self.backend.write(e.extent, e.staging.view, self.config.checksum)
+        self._pending.add(fut)
+        fut.add_done_callback(lambda f, e=e: self._write_done(e, f))
+
+    def _write_done(self, e: Entry, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            e.io_busy = False
+            err = fut.exception()
+            if e.state == DEAD:
+                self._release_io_resources(e)
+                return
+            if err is not None:
+                self._write_failed(e, err)
+                return
+            e.digest = fut.result()
+            e.state = ON_DISK
+            if e.want and e.host is None:
+                e.host = self._copy_out(e)  # prefetch asked while it was being written
+                e.from_disk = False
+            self._free_staging(e)
+
+    def _write_failed(self, e: Entry, err: BaseException) -> None:
+        """Keep the bytes in memory: a failed write never loses data."""
+        e.step.io_errors += 1
+        code = getattr(err, "errno", None)
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            self._disk_full_step = e.step.index
+        self._warn_once(
+            f"write-{code}",
+            f"tba: a spill write failed ({err}); keeping its tensor in memory, exact",
+        )
+        if e.host is None:
+            e.host = self._copy_out(e)
+            e.from_disk = False
+        self._free_staging(e)
+        self._free_extent(e)
+        e.state = MEMORY
+
+    def _copy_out(self, e: Entry) -> torch.Tensor:
+        adapter, _ = self._device(e.device)
+        host = adapter.host_buffer(e.padded, self.align)
+        host.copy_(e.staging.tensor)
+        self.cache.charge(e.padded)
+        return host
+
+    # -- unpack side --------------------------------------------------------------------------
+    def unpack(self, h: Handle | KeptHandle) -> torch.Tensor:
+        if isinstance(h, KeptHandle):
+            return h.unpack()
+        e = h.entry
+        t = h.live_original()
+        if t is not None:
+            with self._lock:
+                e.step.forwarded += 1
+                self._consume(e)
+            return t
+        with self._lock:
+            buf, _ = self._bytes_for(e)
+            out = h.view_of(buf)
+            if not e.from_disk:
+                e.step.forwarded += 1
+            self._consume(e)
+        return out
+
+    def _bytes_for(self, e: Entry) -> tuple[torch.Tensor, float]:
+        """The entry's bytes on its device, reading or waiting as needed. Lock held."""
+        if e.error is not None:
+            raise e.error
+        st = e.step
+        if e.host is None and e.staging is not None:
+            if e.ticket is not None:  # CUDA capture still running: wait for the copy
+                self._lock.release()
+                try:
+                    e.ticket.wait()
+                finally:
+                    self._lock.acquire()
+                if e.error is not None:
+                    raise e.error
+            if e.host is None and e.staging is not None:
+                e.host = self._copy_out(e)
+                e.from_disk = False
+        elif e.host is None and e.state == ON_DISK and not e.io_busy:
+            st.sync_loads += 1
+            if not e.budgeted:
+                self.prefetcher.take(e)
+            self._start_read(e)
+        waited = 0.0
+        while e.host is None and e.error is None:
+            fut = e.reading
+            if fut is None:  # pragma: no cover - a state the machine cannot reach
+                raise TBAError(f"tba: entry {e!r} has no bytes and no read in flight")
+            self._lock.release()
+            t0 = time.perf_counter()
+            try:
+                wait_futures([fut])
+            finally:
+                waited += time.perf_counter() - t0
+                self._lock.acquire()
+            self._read_done(e, fut)
+        st.stall_seconds += waited
+        if e.error is not None:
+            raise e.error
+        if e.device.type != "cpu":
+            if e.dev_buf is None:
+                adapter, _ = self._device(e.device)
+                e.dev_buf = adapter.to_device(e.host, e.device)
+            return e.dev_buf, waited
+        return e.host, waited
+
+    def _consume(self, e: Entry) -> None:
+        """One use unpacked. After the last use of this backward, drop the read-back bytes."""
+        e.left -= 1
+        if e.left > 0:
+            return
+        e.left = e.uses
+        if e.state == ON_DISK and e.host is not None:
+            self.cache.uncharge(e.padded)
+            e.host = None
+            e.dev_buf = None
+        self.prefetcher.give_back(e)
+        self.prefetcher.pump()
+
+    def _start_read(self, e: Entry) -> None:
+        adapter, _ = self._device(e.device)
+        buf = adapter.host_buffer(e.padded, self.align)
+        self.cache.charge(e.padded)
+        e.io_busy = True
+        fut = self.backend.read(e.extent, as_memoryview(buf), self.config.checksum, e.digest)
+        e.reading = fut
+        fut.tba_buffer = buf  # type: ignore[attr-defined]
+        self._pending.add(fut)
+        fut.add_done_callback(lambda f, e=e: self._read_done(e, f))
+
+    def _read_done(self, e: Entry, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            if e.reading is not fut:
+                return  # the waiter already handled it
+            e.reading = None
+            e.io_busy = False
+            buf = fut.tba_buffer  # type: ignore[attr-defined]
+            err = fut.exception()
+            if err is not None or e.state == DEAD:
+                self.cache.uncharge(e.padded)
+                if err is not None:
+                    e.step.io_errors += 1
+                    e.error = err if isinstance(err, StorageError) else _as_storage_error(err, e)
+                    e.state = FAILED
+                if e.state == DEAD:
+                    self._release_io_resources(e)
+                return
+            e.host = buf
+            e.from_disk = True
+            e.step.bytes_reloaded += e.nbytes
+
+    # -- lifetimes ----------------------------------------------------------------------------
+    def retire(self, e: Entry) -> None:
+        """The last handle of ``e`` died (called by the cache with the lock held)."""
+        if e.state == DEAD:
+            return
+        e.state = DEAD
+        self._live.discard(e)
+        self.prefetcher.give_back(e)
+        if e.host is not None:
+            self.cache.uncharge(e.padded)
+            e.host = None
+            e.dev_buf = None
+        if not e.io_busy and e.ticket is None:
+            self._release_io_resources(e)
+
+    def _release_io_resources(self, e: Entry) -> None:
+        self._free_staging(e)
+        self._free_extent(e)
+
+    def _free_staging(self, e: Entry) -> None:
+        if e.staging is not None:
+            _, staging = self._device(e.device)
+            staging.free(e.staging)
+            self.cache.uncharge(e.padded)
+            e.staging = None
+
+    def _free_extent(self, e: Entry) -> None:
+        if e.extent is not None:
+            self.backend.free(e.extent)
+            self._disk_in_use -= e.extent.length
+            e.extent = None
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            wait_futures(pending)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def note_resident(self, value: int) -> None:
+        st = self._current
+        if st is not None and value > st.peak_resident_bytes:
+            st.peak_resident_bytes = value
+
+    def _device(self, device: torch.device) -> tuple[DeviceAdapter, StagingPool]:
+        got = self._adapters.get(device)
+        if got is None:
+            adapter = CpuAdapter() if device.type == "cpu" else adapter_for(device)
+            arena = adapter.staging_arena(self.config.staging_bytes, self.align)
+            got = self._adapters[device] = (adapter, StagingPool(arena, self.align))
+        return got
+
+    def _capture_executor(self) -> Any:
+        if self._capture_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._capture_pool = ThreadPoolExecutor(1, thread_name_prefix="tba-capture")
+        return self._capture_pool
+
+    @staticmethod
+    def _model_storages(model: nn.Module) -> frozenset[int]:
+        return frozenset(
+            p.untyped_storage()._cdata
+            for p in (*model.parameters(), *model.buffers())
+            if p.layout is torch.strided
+        )
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg)
+
+
+def _as_storage_error(err: BaseException, e: Entry) -> StorageError:
+    ext = e.extent
+    code = getattr(err, "errno", None) or errno.EIO
+    return StorageError("read", "spill file", ext.offset if ext else -1, e.padded, code, str(err))

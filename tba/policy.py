@@ -1,0 +1,56 @@
+"""Keep or offload: the decision for one saved tensor. No I/O here.
+
+Reasons a tensor stays in memory (the keys of ``stats()["kept_reasons"]``):
+
+- ``small``: it would retain fewer than ``min_offload_bytes``; a tiny I/O costs more than it saves.
+- ``unsupported``: not a plain strided CPU/CUDA tensor (sparse, nested, meta, subclasses...).
+- ``group``: it belongs to one of the last ``keep_last`` groups, which backward needs first.
+- ``staging_full``: the staging pool is full; blocking the forward would cost more.
+- ``disk_full``: the quota, the free-space check or the filesystem refused an extent.
+
+Parameters, views of parameter storage and other leaves that require grad are never offloaded
+nor counted: something else holds them anyway, so writing them would free nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_parameter_like(t: torch.Tensor, param_storages: frozenset[int] | set[int]) -> bool:
+    """Parameters, their views (``W.t()``), other grad-requiring leaves, and model storages."""
+    if t.requires_grad and t.is_leaf:
+        return True
+    base = t._base
+    if base is not None and base.requires_grad and base.is_leaf:
+        return True
+    return bool(param_storages) and t.untyped_storage()._cdata in param_storages
+
+
+def unsupported(t: torch.Tensor) -> bool:
+    return (
+        type(t) not in _PLAIN
+        or t.layout is not torch.strided
+        or t.device.type not in ("cpu", "cuda")
+        or t.numel() == 0
+        or t.is_quantized
+    )
+
+
+class Policy:
+    """Pure decision logic, configured from :class:`tba.Config`."""
+
+    def __init__(self, min_offload_bytes: int):
+        self.min_offload_bytes = min_offload_bytes
+
+    def keep_reason(self, t: torch.Tensor, retained_bytes: int, group_kept: bool) -> str | None:
+        """Why ``t`` stays in memory, or None to offload it."""
+        if unsupported(t):
+            return "unsupported"
+        if retained_bytes < self.min_offload_bytes or retained_bytes == 0:
+            return "small"
+        if group_kept:
+            return "group"
+        return None

@@ -1,0 +1,167 @@
+"""Groups (which block a saved tensor belongs to) and the reverse-order prefetch plan.
+
+# NOTE [Groups]
+With a model, groups are its blocks: the largest ``ModuleList``/``Sequential`` of modules of one
+class (transformer layers), else its top-level children. Forward pre-hooks, installed only while
+a step's forward runs, mark which block is executing. Tensors packed from the first of the last
+``keep_last`` blocks onwards (the head included) are kept resident: backward needs them first.
+Without a model, a new group starts every ``group_bytes`` packed bytes, and the last
+``keep_last`` groups of the previous step decide which window is kept (none on the first step).
+
+# NOTE [Prefetch]
+When the forward ends, the step's offloaded entries are sorted by their latest pack (the reverse
+of the forward order, which is the order backward unpacks them). Reads are issued in that order
+while the bytes read and not yet consumed stay within ``prefetch_bytes`` (at least one entry is
+always allowed). Each consumed entry returns its bytes to the budget and the plan moves on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from .cache import CAPTURE, DEAD, FAILED, MEMORY, WRITING, Entry
+from .stats import StepState
+
+
+def detect_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (e.g. transformer layers), else its children."""
+    best: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            cls, count = Counter(type(c) for c in mod).most_common(1)[0]
+            if count >= 2 and count > len(best):
+                best = [c for c in mod if type(c) is cls]
+    if best:
+        return best
+    children = list(model.children())
+    return children if children else [model]
+
+
+class GroupTracker:
+    """Which group the forward is in, and whether that group stays resident."""
+
+    def __init__(self, keep_last: int, group_bytes: int):
+        self.keep_last = keep_last
+        self.group_bytes = group_bytes
+        self.prev_windows: int | None = None
+        self._hooks: list[Any] = []
+        self._blocks: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.reset(None)
+
+    def reset(self, step: StepState | None) -> None:
+        self.step = step
+        self.group = 0
+        self.kept = False
+        self.packed = 0
+        self.first_kept = None
+        self.by_model = False
+
+    def begin(self, step: StepState, model: nn.Module | None) -> None:
+        self.reset(step)
+        if model is not None:
+            blocks = self._blocks.get(model)
+            if blocks is None:
+                blocks = self._blocks[model] = detect_blocks(model)
+            self.by_model = True
+            n = len(blocks)
+            first_kept = n - self.keep_last if self.keep_last else n
+            step.kept_groups = min(self.keep_last, n)
+            for i, block in enumerate(blocks):
+                kept = i >= first_kept
+                self._hooks.append(block.register_forward_pre_hook(self._enter_hook(kept)))
+                self._hooks.append(block.register_forward_hook(self._exit_hook))
+        elif self.keep_last and self.prev_windows is not None:
+            self.first_kept = max(0, self.prev_windows - self.keep_last)
+            step.kept_groups = self.prev_windows - self.first_kept
+
+    def _enter_hook(self, kept: bool) -> Callable[..., None]:
+        def enter(module: nn.Module, args: Any) -> None:
+            self.group += 1
+            self.kept = kept
+
+        return enter
+
+    def _exit_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.group += 1  # what runs between or after blocks is a group of its own
+
+    def on_pack(self, nbytes: int) -> bool:
+        """Account a pack of ``nbytes``; True when it belongs to a kept group."""
+        if self.by_model:
+            return self.kept
+        window = self.packed // self.group_bytes
+        self.packed += nbytes
+        self.group = window
+        return self.first_kept is not None and window >= self.first_kept
+
+    def end(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if not self.by_model:
+            self.prev_windows = self.group + 1 if self.packed else 0
+        if self.step is not None:
+            self.step.groups = self.group + (0 if self.by_model else 1)
+        self.step = None
+
+
+class Prefetcher:
+    """Issues reads in reverse forward order within a byte budget. Caller holds the lock."""
+
+    def __init__(self, budget: int, start: Callable[[Entry], None]):
+        self.budget = budget
+        self.start = start
+        self.inflight = 0
+        self.plans: list[StepState] = []
+
+    def arm(self, step: StepState) -> None:
+        step.plan = sorted(step.entries, key=lambda e: -e.seq)
+        step.entries = []
+        step.cursor = 0
+        self.plans.append(step)
+        self.pump()
+
+    def pump(self) -> None:
+        for step in reversed(self.plans):  # the latest forward is the first backward
+            plan = step.plan or []
+            while step.cursor < len(plan):
+                e = plan[step.cursor]
+                if e.state in (DEAD, FAILED, MEMORY) or e.host is not None or e.budgeted:
+                    step.cursor += 1
+                    continue
+                if self.inflight and self.inflight + e.padded > self.budget:
+                    return
+                self.take(e)
+                if e.state in (CAPTURE, WRITING):
+                    e.want = True  # served from staging when its write completes
+                else:
+                    self.start(e)
+                step.cursor += 1
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        keep = []
+        for s in self.plans:
+            if s.cursor < len(s.plan or []):
+                keep.append(s)
+            else:
+                s.plan = None  # release the entries; the step keeps only its counters
+        self.plans = keep
+
+    def take(self, e: Entry) -> None:
+        e.budgeted = e.padded
+        self.inflight += e.padded
+
+    def give_back(self, e: Entry) -> None:
+        if e.budgeted:
+            self.inflight -= e.budgeted
+            e.budgeted = 0
+
+    def drop_plans(self) -> None:
+        self.plans.clear()

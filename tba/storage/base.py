@@ -1,0 +1,52 @@
+"""The `Backend` protocol every storage engine implements, and the `Extent` it hands out.
+
+Contract (the cache relies on each line):
+- ``allocate(n)`` reserves an extent of at least ``n`` bytes, rounded up to ``alignment``. It
+  returns ``None`` (never raises) when the quota, the free-space check or the filesystem refuses;
+  the caller then keeps the tensor in memory and counts it. It may grow a slab (fallocate) but
+  does no data I/O.
+- ``write(extent, buf)`` and ``read(extent, buf)`` are asynchronous. ``buf`` is a writable
+  memoryview whose address and length are multiples of ``alignment`` and ``len(buf) ==
+  extent.length``. The returned future resolves to ``None`` or raises :class:`tba.StorageError`
+  naming the file, offset, byte count and errno. A short transfer is retried to completion; an
+  error is never turned into zeros.
+- ``checksum`` (optional, "crc32" etc.): ``write`` computes it over ``buf`` on the I/O thread and
+  its future resolves to the digest; ``read`` with ``expect`` verifies it and raises
+  StorageError(EBADMSG) on mismatch.
+- ``free(extent)`` returns the space at once; it is only called once no I/O on it is in flight.
+- ``close()`` waits for in-flight I/O, closes every file and removes the process directory.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    slab: int
+    offset: int
+    length: int
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    reason: str
+    alignment: int
+
+    def allocate(self, nbytes: int) -> Extent | None: ...
+
+    def free(self, extent: Extent) -> None: ...
+
+    def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future: ...
+
+    def read(
+        self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
+    ) -> Future: ...
+
+    def usage(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,275 @@
+"""Slab files: nameless, preallocated spill files carved into extents.
+
+NOTE [Slabs]
+1. A slab is a file with no name: ``O_TMPFILE`` in the per-process directory, or, where the
+   filesystem refuses ``O_TMPFILE``, a uniquely named file that is unlinked right after open.
+   Its blocks are released when the fd closes, so nothing survives even SIGKILL.
+2. Slabs are created lazily, when no existing slab has room, with ``posix_fallocate`` of
+   ``slab_bytes`` (or the request's rounded size when it is larger). Growth is refused, and
+   ``allocate`` returns ``None``, when the quota (sum of slab sizes) or the free-space floor
+   (``statvfs`` free minus ``min_free_bytes``) would be crossed, or when fallocate fails with
+   ENOSPC/EDQUOT. The last slab may be made smaller to fit. Entirely free slabs are closed to
+   make room before refusing.
+3. Each slab has an :class:`ExtentAllocator`; freed extents are reused (an overwrite is the
+   cheapest write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+
+from ..errors import StorageError, TBAError, hint_for
+from .alloc import ExtentAllocator
+from .base import Extent
+
+__all__ = ["Slab", "SlabSet", "open_unnamed"]
+
+log = logging.getLogger("tba.storage")
+
+# errno values meaning "this filesystem (or kernel) has no O_TMPFILE".
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# errno values meaning "fallocate is not supported here" (glibc's emulation may report EINVAL
+# on O_DIRECT files): fall back to a sparse ftruncate.
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def open_unnamed(dir_fd: int, dir_path: str, direct: bool, tag: str) -> int:
+    """Open a new nameless file in the directory ``dir_fd``, read-write, O_DIRECT if ``direct``.
+
+    Raises :class:`StorageError` (op "open") when neither way works.
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    shown = f"{dir_path}/{tag} (unlinked)"
+    try:
+        return os.open(".", flags | os.O_TMPFILE, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in _NO_TMPFILE:
+            code = e.errno or errno.EIO
+            raise StorageError("open", shown, 0, 0, code, hint_for(code)) from None
+        log.debug("tba.storage: O_TMPFILE refused in %s (%s); using unlinked files", dir_path, e)
+    name = f".{tag}-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.EEXIST:
+            # Linux creates the file before it checks O_DIRECT: do not leave the name behind.
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except OSError:
+                pass
+        raise StorageError(
+            "open", shown, 0, 0, e.errno or errno.EIO, hint_for(e.errno or 0)
+        ) from None
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError as e:
+        os.close(fd)
+        raise StorageError(
+            "unlink", shown, 0, 0, e.errno or errno.EIO, hint_for(e.errno or 0)
+        ) from None
+    return fd
+
+
+@dataclasses.dataclass(eq=False)
+class Slab:
+    index: int
+    fd: int
+    size: int
+    alloc: ExtentAllocator
+    display: str
+    # Buffered backend: bytes written since the last fdatasync, and their range.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    dirty: int = 0
+    dirty_lo: int = 0
+    dirty_hi: int = 0
+
+
+class SlabSet:
+    """The slabs of one backend, with quota and free-space checks. Thread-safe."""
+
+    def __init__(
+        self,
+        dir_fd: int,
+        dir_path: str,
+        direct: bool,
+        align: int,
+        slab_bytes: int,
+        max_disk_bytes: int | None,
+        min_free_bytes: int,
+    ):
+        self.dir_fd = dir_fd
+        self.dir_path = dir_path
+        self.direct = direct
+        self.align = align
+        self.slab_bytes = max(align, slab_bytes // align * align)
+        self.max_disk_bytes = max_disk_bytes
+        self.min_free_bytes = min_free_bytes
+        self.slabs: dict[int, Slab] = {}
+        self.reserved = 0
+        self.refused_quota = 0
+        self.refused_space = 0
+        self.refused_error = 0
+        self._next = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(
+        self,
+        nbytes: int,
+        fallocate: Callable[[int, int, int], None],
+        statvfs: Callable[[str], os.statvfs_result],
+    ) -> Extent | None:
+        if nbytes < 0:
+            raise ValueError(f"tba.storage: cannot allocate {nbytes} bytes")
+        with self._lock:
+            if self._closed:
+                raise ValueError("tba.storage: allocate() on a closed backend")
+            for slab in self.slabs.values():
+                off = slab.alloc.alloc(nbytes)
+                if off is not None:
+                    return Extent(slab.index, off, slab.alloc.size_of(off))
+            slab = self._grow(nbytes, fallocate, statvfs)
+            if slab is None:
+                return None
+            off = slab.alloc.alloc(nbytes)
+            if off is None:  # pragma: no cover - the slab was sized for this request
+                return None
+            return Extent(slab.index, off, slab.alloc.size_of(off))
+
+    def _room(self, statvfs: Callable[[str], os.statvfs_result]) -> tuple[int | None, int]:
+        quota_room = None if self.max_disk_bytes is None else self.max_disk_bytes - self.reserved
+        st = statvfs(self.dir_path)
+        space_room = st.f_bavail * st.f_frsize - self.min_free_bytes
+        return quota_room, space_room
+
+    def _release_empty(self) -> bool:
+        """Close slabs with no live extent (their blocks go back to the filesystem)."""
+        empty = [s for s in self.slabs.values() if s.alloc.live_extents == 0]
+        for s in empty:
+            del self.slabs[s.index]
+            self.reserved -= s.size
+            os.close(s.fd)
+        return bool(empty)
+
+    def _grow(
+        self,
+        nbytes: int,
+        fallocate: Callable[[int, int, int], None],
+        statvfs: Callable[[str], os.statvfs_result],
+    ) -> Slab | None:
+        a = self.align
+        need = max(a, (nbytes + a - 1) // a * a)
+        try:
+            quota_room, space_room = self._room(statvfs)
+            short = (quota_room is not None and quota_room < need) or space_room < need
+            if short and self._release_empty():
+                quota_room, space_room = self._room(statvfs)
+        except OSError as e:
+            self.refused_error += 1
+            log.warning("tba.storage: statvfs(%s) failed: %s", self.dir_path, e)
+            return None
+        if quota_room is not None and quota_room < need:
+            self.refused_quota += 1
+            log.debug(
+                "tba.storage: quota refuses %d bytes (%d of %d in slabs)",
+                need,
+                self.reserved,
+                self.max_disk_bytes,
+            )
+            return None
+        if space_room < need:
+            self.refused_space += 1
+            log.debug(
+                "tba.storage: free space refuses %d bytes (room %d above the %d-byte floor)",
+                need,
+                space_room,
+                self.min_free_bytes,
+            )
+            return None
+        size = max(need, self.slab_bytes)
+        if quota_room is not None:
+            size = min(size, quota_room // a * a)
+        size = min(size, space_room // a * a)
+        index = self._next
+        self._next += 1
+        display = f"{self.dir_path}/slab-{index} (unlinked)"
+        try:
+            fd = open_unnamed(self.dir_fd, self.dir_path, self.direct, f"slab-{index}")
+        except StorageError as e:
+            self.refused_error += 1
+            log.warning("%s", e)
+            return None
+        try:
+            try:
+                fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in _NO_FALLOCATE:
+                    raise
+                os.ftruncate(fd, size)  # sparse: space is not reserved, but I/O works
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _NO_SPACE:
+                self.refused_space += 1
+                log.debug("tba.storage: fallocate of %d bytes for %s: %s", size, display, e)
+            else:
+                self.refused_error += 1
+                err = StorageError("fallocate", display, 0, size, e.errno or errno.EIO)
+                log.warning("%s", err)
+            return None
+        slab = Slab(index, fd, size, ExtentAllocator(size, a), display)
+        self.slabs[index] = slab
+        self.reserved += size
+        log.debug("tba.storage: new slab %s of %d bytes", display, size)
+        return slab
+
+    def free(self, extent: Extent) -> None:
+        with self._lock:
+            if self._closed:
+                return  # teardown order: handles may be released after the backend closed
+            slab = self.slabs.get(extent.slab)
+            if slab is None:
+                raise TBAError(
+                    f"tba.storage: free of an unknown extent (slab {extent.slab}, offset "
+                    f"{extent.offset}): double free, or an extent of another backend"
+                )
+            slab.alloc.free(extent.offset)
+
+    def slab_for(self, extent: Extent, nbytes: int) -> Slab:
+        """The slab of a live extent; ValueError if ``extent`` is not allocated or too small."""
+        slab = self.slabs.get(extent.slab)
+        try:
+            size = slab.alloc.size_of(extent.offset) if slab is not None else -1
+        except KeyError:
+            size = -1
+        if slab is None or size < 0:
+            raise ValueError(
+                f"tba.storage: I/O on an extent that is not allocated (slab {extent.slab}, "
+                f"offset {extent.offset}); it was freed or belongs to another backend"
+            )
+        if nbytes != extent.length or nbytes > size:
+            raise ValueError(
+                f"tba.storage: buffer of {nbytes} bytes for an extent of {extent.length} bytes; "
+                "the buffer must be exactly extent.length bytes"
+            )
+        return slab
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return sum(s.alloc.used for s in list(self.slabs.values()))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for s in self.slabs.values():
+                os.close(s.fd)
+            self.slabs.clear()
+            self.reserved = 0

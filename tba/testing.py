@@ -1,0 +1,96 @@
+"""A small GPT used by tba's tests, benchmarks and examples (not needed to use tba).
+
+Pre-LN causal blocks with one fused q/k/v projection (so q, k and v are views of one storage at
+different offsets), GELU MLP, optional tied embeddings, and either PyTorch's
+``scaled_dot_product_attention`` or explicit softmax attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab: int = 256
+    seq: int = 64
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 2
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tied: bool = False
+    attention: str = "sdpa"  # or "explicit"
+
+
+# W1, the benchmark workload: 6 pre-LN causal blocks, H=512, 8 heads, MLP 4H, S=512, fp32.
+W1 = GPTConfig(vocab=256, seq=512, hidden=512, heads=8, layers=6)
+W1_MICRO_BATCH = 8
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h = cfg.hidden
+        self.heads = cfg.heads
+        self.attention = cfg.attention
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, cfg.mlp_ratio * h)
+        self.fc2 = nn.Linear(cfg.mlp_ratio * h, h)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "explicit":
+            scores = q @ k.transpose(-2, -1) / math.sqrt(h // self.heads)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            probs = self.drop(scores.masked_fill(mask, float("-inf")).softmax(-1))
+            out = probs @ v
+        else:
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attend(x))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def random_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(cfg.vocab, (batch, cfg.seq + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()

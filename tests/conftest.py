@@ -1,0 +1,50 @@
+"""Shared fixtures: offloaders on a per-test spill dir, isolated from the caller's TBA_* env."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import tba
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    return str(tmp_path / "spill")
+
+
+@pytest.fixture
+def make_offloader(spill_dir):
+    """Build Offloaders with test-sized defaults; all are closed at teardown."""
+    made: list[tba.Offloader] = []
+
+    def make(**kw) -> tba.Offloader:
+        kw.setdefault("spill_dir", spill_dir)
+        kw.setdefault("min_offload_bytes", 1)
+        kw.setdefault("staging_bytes", "32MiB")
+        kw.setdefault("prefetch_bytes", "8MiB")
+        kw.setdefault("slab_bytes", "16MiB")
+        kw.setdefault("min_free_bytes", 0)
+        kw.setdefault("keep_last", 0)
+        off = tba.Offloader(tba.Config(environ={}, **kw))
+        made.append(off)
+        return off
+
+    yield make
+    for off in made:
+        off.close()
+
+
+def step_ctx(off, model=None):
+    return off.step(model) if off is not None else contextlib.nullcontext()

@@ -1,0 +1,256 @@
+"""Dedup, layouts, round trips, lifetimes and the in-place check."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tba
+from tba.cache import contiguous_stride, is_dense, layout
+
+
+class SaveForBackward(torch.autograd.Function):
+    """Saves ``t`` and, in backward, records what autograd handed back."""
+
+    got: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, anchor, t):
+        ctx.save_for_backward(t)
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        SaveForBackward.got.append(t)
+        return g, None
+
+
+def round_trip(off, t: torch.Tensor) -> torch.Tensor:
+    """Save ``t`` (the caller's last reference) and return what backward received."""
+    SaveForBackward.got.clear()
+    anchor = torch.zeros(1, requires_grad=True)
+    with off.step():
+        out = SaveForBackward.apply(anchor, t)
+        del t  # nothing else holds it, so backward cannot be served the original
+        off.synchronize()  # written before backward, so the bytes come back from disk
+    out.sum().backward()
+    return SaveForBackward.got[0]
+
+
+def make_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the view ``t`` with the same strides and offset, on a storage of its own."""
+    base = t.untyped_storage()
+    copy = torch.empty(0, dtype=t.dtype).set_(
+        base.clone(), t.storage_offset(), t.shape, t.stride()
+    )
+    return copy
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def special_floats(dtype, n=1024):
+    x = torch.randn(n).to(dtype)
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.rand(999) > 0.5,
+        lambda: torch.randint(0, 256, (1001,), dtype=torch.uint8),
+        lambda: torch.randint(-(2**62), 2**62, (333,), dtype=torch.int64),
+        lambda: special_floats(torch.float16),
+        lambda: special_floats(torch.bfloat16),
+        lambda: special_floats(torch.float32),
+        lambda: special_floats(torch.float64),
+        lambda: torch.randn(3, 5, dtype=torch.complex64),
+    ],
+    ids=["bool", "uint8", "int64", "fp16", "bf16", "fp32", "fp64", "complex64"],
+)
+def test_dtype_round_trip_bit_exact(make, make_offloader):
+    off = make_offloader()
+    t = make()
+    got = round_trip(off, t.clone())
+    assert same_bits(got, t)
+    assert off.stats()["bytes_reloaded"] > 0
+
+
+@pytest.mark.parametrize(
+    "make,keeps_stride",
+    [
+        (lambda: torch.randn(64, 48).t(), True),  # transpose: dense, permuted strides
+        (lambda: torch.randn(8, 3, 16)[:, 1], True),  # slice at a non-zero offset, > half
+        (lambda: torch.randn(1, 40).expand(30, 40), True),  # stride-0 broadcast
+        (lambda: torch.randn(4, 8, 16).permute(2, 0, 1), True),
+        (lambda: torch.randn(32, 96).split(32, dim=1)[2], True),  # a k/v-like chunk
+        (lambda: torch.randn(256, 256)[:32:2, :32:2], False),  # small strided view: compact
+        (lambda: torch.randn(100)[10:30], True),  # dense piece of a bigger storage
+    ],
+    ids=["transpose", "offset_slice", "broadcast", "permute", "split_chunk", "sparse_view", "piece"],
+)
+def test_non_contiguous_round_trip(make, keeps_stride, make_offloader):
+    off = make_offloader()
+    t = make()
+    got = round_trip(off, t.clone() if t.is_contiguous() else make_like(t))
+    assert torch.equal(got, t)
+    if keeps_stride:
+        assert got.stride() == t.stride()
+    else:
+        assert got.is_contiguous()
+
+
+def test_layout_choices():
+    base = torch.randn(8, 96)
+    q, k, v = base.split(32, dim=1)
+    assert layout(base, base.untyped_storage().nbytes())[0] is True
+    whole, nbytes, stride, offset = layout(v, base.untyped_storage().nbytes())
+    assert whole and nbytes == base.numel() * 4 and stride == v.stride() and offset == 64
+    spread = torch.randn(256, 256)[::16, ::16]  # spans most of its storage: whole
+    assert layout(spread, 256 * 256 * 4)[0] is True
+    small = torch.randn(256, 256)[:32:2, :32:2]
+    whole, nbytes, stride, _ = layout(small, 256 * 256 * 4)
+    assert not whole and nbytes == 16 * 16 * 4 and stride == (16, 1)
+    assert is_dense((4, 1, 3), (3, 99, 1)) and not is_dense((4, 3), (4, 1))
+    assert contiguous_stride((2, 3, 4)) == (12, 4, 1)
+
+
+def test_tensor_saved_twice_written_once(make_offloader):
+    off = make_offloader()
+    x = torch.randn(64, 64, requires_grad=True)
+    with off.step():
+        y = x.exp()  # saves y (its output)
+        z = (y * y).sum()  # saves y twice more
+        off.synchronize()
+        writes = off.backend.usage()["writes"]
+    z.backward()
+    st = off.stats()
+    assert writes == 1 and st["tensors_offloaded"] == 1 and st["dedup_hits"] == 2
+    assert torch.allclose(x.grad, 2 * torch.exp(2 * x) + 0 * x)
+
+
+def test_qkv_views_share_one_write(make_offloader):
+    off = make_offloader()
+    lin = nn.Linear(16, 48)
+    x = torch.randn(8, 16)
+    with off.step():
+        q, k, v = lin(x).split(16, dim=1)
+        out = ((q @ k.t()) * 1.0) @ v  # saves q, k.t() and v: three views, one storage
+        off.synchronize()
+    out.sum().backward()
+    st = off.stats()
+    # x (saved by the projection), the qkv storage once for q, k.t() and v, and q @ k.t()
+    assert st["tensors_offloaded"] == 3
+    assert st["dedup_hits"] == 2
+
+
+def test_parameters_are_never_written(make_offloader):
+    off = make_offloader()
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    x = torch.randn(4, 32, requires_grad=True)
+    with off.step(model):
+        loss = (x @ model[0].weight.t()).sum() + (model[1].weight * model[1].weight).sum()
+        off.synchronize()
+    loss.backward()
+    assert off.backend.usage()["writes"] == 0
+    st = off.stats()
+    assert st["tensors_offloaded"] == 0 and st["saved_bytes"] == 0
+
+
+def test_activations_written_but_weights_not(make_offloader):
+    off = make_offloader()
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    written: list[int] = []
+    real_offload = off.offload
+
+    def spy(t, storage, *args):
+        written.append(storage._cdata)
+        return real_offload(t, storage, *args)
+
+    off.offload = spy
+    with off.step(model):
+        loss = model(torch.randn(16, 32)).square().sum()
+        off.synchronize()
+    loss.backward()
+    assert written and not params.intersection(written)
+    assert off.backend.usage()["writes"] == off.stats()["tensors_offloaded"]
+
+
+def test_freed_storage_never_aliases_an_old_entry(make_offloader):
+    off = make_offloader()
+    w = torch.ones(1024, requires_grad=True)
+    with off.step():
+        a = torch.full((1024,), 2.0)
+        la = (w * a).sum()  # saves a
+        del a
+        gc.collect()
+        b = torch.full((1024,), 3.0)  # may land at the same address as a did
+        lb = (w * b).sum()  # saves b: must not be mistaken for a
+        del b
+        off.synchronize()
+    (la + lb).backward()
+    assert torch.equal(w.grad, torch.full((1024,), 5.0))
+    assert off.stats()["dedup_hits"] == 0
+
+
+def test_dropped_graph_leaves_nothing(make_offloader):
+    off = make_offloader()
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    with off.step(model):
+        loss = model(torch.randn(32, 64)).square().sum()
+    assert off.stats()["tensors_offloaded"] > 0
+    del loss
+    gc.collect()
+    off.synchronize()
+    assert off.backend.usage()["disk_bytes_in_use"] == 0
+    assert off.stats()["disk_bytes_in_use"] == 0
+    assert off.cache.resident == 0 and off.stats()["live_entries"] == 0
+    for _, pool in off._adapters.values():
+        assert pool.in_use == 0
+
+
+@pytest.mark.parametrize("min_offload", [1, 1 << 30], ids=["offloaded", "kept"])
+def test_inplace_after_pack_raises(min_offload, make_offloader):
+    off = make_offloader(min_offload_bytes=min_offload)
+    x = torch.randn(64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    with off.step():
+        y = x.sigmoid()  # saves y
+        z = (y * w).sum()  # saves y again
+        off.synchronize()
+    y.add_(1)
+    with pytest.raises(tba.UnpackError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_stock_pytorch_raises_the_same_way():
+    x = torch.randn(64, requires_grad=True)
+    y = x.sigmoid()
+    z = (y * 2).sum()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_inplace_on_a_dead_tensor_gives_pack_time_values(make_offloader):
+    """If the modified tensor is gone by backward, the captured (pack-time) bytes are used."""
+    off = make_offloader()
+    w = torch.randn(64, requires_grad=True)
+    x = torch.randn(64)
+    with off.step():
+        y = x.exp()
+        z = (y * w).sum()
+        off.synchronize()
+    y.add_(1)
+    del y
+    z.backward()
+    assert torch.equal(w.grad, x.exp())

@@ -1,0 +1,131 @@
+"""tba.Config: env and argument precedence, sizes, collected errors, unknown variables."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import tba
+from tba import config as config_mod
+from tba.config import Config, format_size, parse_size
+
+
+def test_defaults_without_env():
+    c = Config(environ={})
+    assert c.enabled is True and c.backend == "auto" and c.keep_last == 1
+    assert c.min_offload_bytes == 1 << 20 and c.max_disk_bytes is None
+    assert c.spill_dir.startswith("/var/tmp/tba-") and c.rank == 0
+    assert all(v == "default" for v in c.sources.values())
+
+
+def test_every_field_has_an_env_variable():
+    names = {f.name for f in config_mod.dataclasses.fields(Config)} - {"sources", "environ"}
+    described = {name for name, env, _, _ in Config.describe()}
+    assert names == described
+    for name, env, _, text in Config.describe():
+        assert env.startswith("TBA_") and text
+
+
+def test_env_is_read_and_arguments_win():
+    env = {
+        "TBA_STAGING_BYTES": "64MiB",
+        "TBA_KEEP_LAST": "3",
+        "TBA_BACKEND": "Memory",
+        "TBA_ENABLED": "yes",
+        "TBA_SPILL_DIR": "/nvme/x",
+        "TBA_MAX_DISK_BYTES": "1.5GiB",
+    }
+    c = Config(environ=env, keep_last=2)
+    assert c.staging_bytes == 64 << 20 and c.keep_last == 2 and c.backend == "memory"
+    assert c.spill_dir == "/nvme/x" and c.max_disk_bytes == 3 << 29
+    assert c.sources["keep_last"] == "argument" and c.sources["staging_bytes"] == "env"
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("64MiB", 64 << 20),
+        ("64 mib", 64 << 20),
+        ("1GiB", 1 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("4k", 4096),
+        ("2M", 2 << 20),
+        ("1TiB", 1 << 40),
+        ("10B", 10),
+    ],
+)
+def test_sizes_accept_units(text, want):
+    assert parse_size(text) == want
+
+
+def test_format_size():
+    assert format_size(64 << 20) == "64.0 MiB" and format_size(12) == "12 B"
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"TBA_STAGING_BYTES": "12XB"}, r"TBA_STAGING_BYTES='12XB' is invalid; expected a size"),
+        ({"TBA_STAGING_BYTES": "1KiB"}, r"TBA_STAGING_BYTES='1KiB' is invalid; expected a size of at least 1.0 MiB"),
+        ({"TBA_IO_THREADS": "0"}, r"TBA_IO_THREADS='0' is invalid; expected a whole number >= 1"),
+        ({"TBA_KEEP_LAST": "-1"}, r"TBA_KEEP_LAST='-1' is invalid; expected a whole number >= 0"),
+        ({"TBA_KEEP_LAST": "two"}, r"TBA_KEEP_LAST='two' is invalid"),
+        ({"TBA_BACKEND": "nvme"}, r"TBA_BACKEND='nvme' is invalid; expected one of auto\|native\|posix"),
+        ({"TBA_ENABLED": "maybe"}, r"TBA_ENABLED='maybe' is invalid; expected 1 or 0"),
+        ({"TBA_CHECKSUM": "md5"}, r"TBA_CHECKSUM='md5' is invalid; expected one of off\|crc32"),
+        ({"TBA_LOG_LEVEL": "loud"}, r"TBA_LOG_LEVEL='loud' is invalid; expected one of DEBUG"),
+        ({"TBA_MAX_DISK_BYTES": "0"}, r"TBA_MAX_DISK_BYTES='0' is invalid; .*'none' for no quota"),
+        ({"TBA_SPILL_DIR": "  "}, r"TBA_SPILL_DIR='  ' is invalid; expected a directory path"),
+        ({"TBA_RANK": "-3"}, r"TBA_RANK='-3' is invalid"),
+    ],
+)
+def test_bad_env_values_are_named(env, match):
+    with pytest.raises(tba.ConfigError, match=match):
+        Config(environ=env)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(tba.ConfigError, match=r"io_threads=0 is invalid; expected a whole number"):
+        Config(environ={}, io_threads=0)
+    with pytest.raises(ValueError, match=r"min_offload_bytes=True is invalid"):
+        Config(environ={}, min_offload_bytes=True)
+
+
+def test_all_problems_in_one_error():
+    env = {"TBA_STAGING_BYTES": "x", "TBA_KEEP_LAST": "y"}
+    with pytest.raises(tba.ConfigError, match=r"3 problems") as ei:
+        Config(environ=env, io_threads=-1)
+    assert len(ei.value.problems) == 3
+
+
+def test_unknown_variable_warns_with_closest_name():
+    config_mod._warned_env.discard("TBA_KEEP_LAS")
+    with pytest.warns(UserWarning, match=r"unknown environment variable TBA_KEEP_LAS .*TBA_KEEP_LAST"):
+        Config(environ={"TBA_KEEP_LAS": "2"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config(environ={"TBA_KEEP_LAS": "2"})  # once per process
+
+
+def test_rank_falls_back_to_torchrun_rank():
+    assert Config(environ={"RANK": "3"}).rank == 3
+    assert Config(environ={"RANK": "3", "TBA_RANK": "1"}).rank == 1
+
+
+def test_zero_means_off_for_counts():
+    assert Config(environ={"TBA_KEEP_LAST": "0"}).keep_last == 0
+    assert Config(environ={"TBA_ENABLED": "0"}).enabled is False
+
+
+def test_replace_keeps_explicit_arguments():
+    c = Config(environ={}, keep_last=4).replace(io_threads=2)
+    assert c.keep_last == 4 and c.io_threads == 2
+
+
+def test_offloader_accepts_overrides(tmp_path):
+    off = tba.Offloader(spill_dir=str(tmp_path), backend="memory", min_free_bytes=0)
+    assert off.config.backend == "memory" and off.stats()["backend"] == "memory"
+    off.close()
