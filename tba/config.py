@@ -326,9 +326,7 @@ class Config:
     rank: int | None = _UNSET
     # Where each value came from ("argument", "env", "default"); not compared.
     sources: Mapping[str, str] = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
-    environ: Mapping[str, str] | None = dataclasses.field(
-        default=None, compare=False, repr=False
-    )
+    environ: Mapping[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         environ = os.environ if self.environ is None else self.environ

@@ -60,7 +60,7 @@ class StorageError(TBAError, OSError):
 
 
 class CapacityError(TBAError, RuntimeError):
-    """A bounded resource (staging, disk quota) cannot hold a request, and keeping is not allowed."""
+    """A bounded resource (staging, disk quota) cannot hold a request and keeping is off."""
 
 
 class UsageError(TBAError, RuntimeError):

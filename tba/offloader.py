@@ -22,7 +22,6 @@ import torch.nn as nn
 
 from ._memory import as_memoryview
 from .cache import (
-    CAPTURE,
     DEAD,
     FAILED,
     MEMORY,

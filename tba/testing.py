@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclasses.dataclass
@@ -78,12 +79,13 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied:
             self.head.weight = self.tok.weight
+        self.checkpoint_blocks = False  # recompute each block in backward (non-reentrant)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

@@ -44,9 +44,7 @@ def round_trip(off, t: torch.Tensor) -> torch.Tensor:
 def make_like(t: torch.Tensor) -> torch.Tensor:
     """A copy of the view ``t`` with the same strides and offset, on a storage of its own."""
     base = t.untyped_storage()
-    copy = torch.empty(0, dtype=t.dtype).set_(
-        base.clone(), t.storage_offset(), t.shape, t.stride()
-    )
+    copy = torch.empty(0, dtype=t.dtype).set_(base.clone(), t.storage_offset(), t.shape, t.stride())
     return copy
 
 
@@ -95,7 +93,15 @@ def test_dtype_round_trip_bit_exact(make, make_offloader):
         (lambda: torch.randn(256, 256)[:32:2, :32:2], False),  # small strided view: compact
         (lambda: torch.randn(100)[10:30], True),  # dense piece of a bigger storage
     ],
-    ids=["transpose", "offset_slice", "broadcast", "permute", "split_chunk", "sparse_view", "piece"],
+    ids=[
+        "transpose",
+        "offset_slice",
+        "broadcast",
+        "permute",
+        "split_chunk",
+        "sparse_view",
+        "piece",
+    ],
 )
 def test_non_contiguous_round_trip(make, keeps_stride, make_offloader):
     off = make_offloader()

@@ -23,7 +23,7 @@ def test_every_field_has_an_env_variable():
     names = {f.name for f in config_mod.dataclasses.fields(Config)} - {"sources", "environ"}
     described = {name for name, env, _, _ in Config.describe()}
     assert names == described
-    for name, env, _, text in Config.describe():
+    for _, env, _, text in Config.describe():
         assert env.startswith("TBA_") and text
 
 
@@ -69,11 +69,17 @@ def test_format_size():
     "env,match",
     [
         ({"TBA_STAGING_BYTES": "12XB"}, r"TBA_STAGING_BYTES='12XB' is invalid; expected a size"),
-        ({"TBA_STAGING_BYTES": "1KiB"}, r"TBA_STAGING_BYTES='1KiB' is invalid; expected a size of at least 1.0 MiB"),
+        (
+            {"TBA_STAGING_BYTES": "1KiB"},
+            r"TBA_STAGING_BYTES='1KiB' is invalid; expected a size of at least 1.0 MiB",
+        ),
         ({"TBA_IO_THREADS": "0"}, r"TBA_IO_THREADS='0' is invalid; expected a whole number >= 1"),
         ({"TBA_KEEP_LAST": "-1"}, r"TBA_KEEP_LAST='-1' is invalid; expected a whole number >= 0"),
         ({"TBA_KEEP_LAST": "two"}, r"TBA_KEEP_LAST='two' is invalid"),
-        ({"TBA_BACKEND": "nvme"}, r"TBA_BACKEND='nvme' is invalid; expected one of auto\|native\|posix"),
+        (
+            {"TBA_BACKEND": "nvme"},
+            r"TBA_BACKEND='nvme' is invalid; expected one of auto\|native\|posix",
+        ),
         ({"TBA_ENABLED": "maybe"}, r"TBA_ENABLED='maybe' is invalid; expected 1 or 0"),
         ({"TBA_CHECKSUM": "md5"}, r"TBA_CHECKSUM='md5' is invalid; expected one of off\|crc32"),
         ({"TBA_LOG_LEVEL": "loud"}, r"TBA_LOG_LEVEL='loud' is invalid; expected one of DEBUG"),
@@ -103,7 +109,9 @@ def test_all_problems_in_one_error():
 
 def test_unknown_variable_warns_with_closest_name():
     config_mod._warned_env.discard("TBA_KEEP_LAS")
-    with pytest.warns(UserWarning, match=r"unknown environment variable TBA_KEEP_LAS .*TBA_KEEP_LAST"):
+    with pytest.warns(
+        UserWarning, match=r"unknown environment variable TBA_KEEP_LAS .*TBA_KEEP_LAST"
+    ):
         Config(environ={"TBA_KEEP_LAS": "2"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from tba.testing import GPT, GPTConfig, random_batch
 
@@ -31,13 +30,10 @@ class InplaceMLP(nn.Module):
         return F.cross_entropy(self.layers(x.float()), y)
 
 
-class CheckpointedGPT(GPT):
-    def forward(self, idx, targets):
-        pos = torch.arange(idx.shape[1])
-        x = self.tok(idx) + self.pos(pos)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
+def checkpointed_gpt():
+    model = GPT(SMALL)
+    model.checkpoint_blocks = True
+    return model
 
 
 def gpt_batch(step):
@@ -51,11 +47,14 @@ def mlp_batch(step):
 
 MODELS = {
     "pre_ln_transformer": (lambda: GPT(SMALL), gpt_batch),
-    "qkv_split_views": (lambda: GPT(GPTConfig(**{**vars(SMALL), "attention": "explicit"})), gpt_batch),
+    "qkv_split_views": (
+        lambda: GPT(GPTConfig(**{**vars(SMALL), "attention": "explicit"})),
+        gpt_batch,
+    ),
     "dropout": (lambda: GPT(GPTConfig(**{**vars(SMALL), "dropout": 0.1})), gpt_batch),
     "inplace_relu_mlp": (InplaceMLP, mlp_batch),
     "tied_embeddings": (lambda: GPT(GPTConfig(**{**vars(SMALL), "tied": True})), gpt_batch),
-    "checkpointed_blocks": (lambda: CheckpointedGPT(SMALL), gpt_batch),
+    "checkpointed_blocks": (checkpointed_gpt, gpt_batch),
 }
 
 

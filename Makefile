@@ -1,0 +1,41 @@
+# make demo: train a small GPT with and without tba and print the comparison table.
+# make test: lint, then the whole test suite.
+# Both create .venv when it is missing and install the pinned CPU build of torch first
+# (a plain `pip install torch` could pull a multi-GB CUDA build).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.base: pyproject.toml | $(PY)
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) examples/train_gpt.py
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.base
+	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,119 @@
+"""Step time and memory on workload W1: no offload vs tba vs per-block checkpointing.
+
+W1: 6 pre-LN causal transformer blocks, H=512, 8 heads, MLP 4H with GELU, S=512, micro-batch
+8, fp32, on the CPU, spill dir on local disk. The modes run interleaved (one step of each, in
+turn), since disk and CPU speed drift over minutes; the figures are medians over the repeats.
+
+    python benchmarks/bench_step.py [--repeats 5] [--spill-dir /var/tmp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _machine import machine_line  # noqa: E402
+
+import tba  # noqa: E402
+from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
+
+MODES = ("none", "tba", "checkpoint")
+
+
+def one_step(model, batch, mode, off):
+    """Forward and backward once; returns (seconds, tba stats or None)."""
+    model.zero_grad(set_to_none=True)
+    model.checkpoint_blocks = mode == "checkpoint"
+    t0 = time.perf_counter()
+    if mode == "tba":
+        with off.step(model):
+            loss = model(*batch)
+    else:
+        loss = model(*batch)
+    loss.backward()
+    dt = time.perf_counter() - t0
+    return dt, (off.stats() if mode == "tba" else None), loss.item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="measured steps per mode")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per mode first")
+    ap.add_argument("--spill-dir", default="/var/tmp", help="root of the spill dir (local disk)")
+    ap.add_argument("--batch", type=int, default=W1_MICRO_BATCH)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    model = GPT(W1)
+    batch = random_batch(W1, args.batch)
+    spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
+    off = tba.Offloader(tba.Config(spill_dir=spill))
+    times = {m: [] for m in MODES}
+    stats = []
+    losses = {m: set() for m in MODES}
+    try:
+        for r in range(args.warmup + args.repeats):
+            for mode in MODES:
+                dt, st, loss = one_step(model, batch, mode, off)
+                losses[mode].add(loss)
+                if r >= args.warmup:
+                    times[mode].append(dt)
+                if st is not None:
+                    stats.append(st)
+                print(f"  round {r} {mode:<10} {dt:7.3f} s", flush=True)
+    finally:
+        off.close()
+        os.rmdir(spill)
+
+    med = {m: statistics.median(v) for m, v in times.items()}
+    last = stats[-1]
+    res = {
+        "workload": f"W1 micro-batch {args.batch}",
+        "median_seconds": med,
+        "tba_over_none": med["tba"] / med["none"],
+        "checkpoint_over_none": med["checkpoint"] / med["none"],
+        "tba_over_checkpoint": med["tba"] / med["checkpoint"],
+        "saved_bytes": last["saved_bytes"],
+        "peak_resident_bytes": max(s["peak_resident_bytes"] for s in stats[1:]),
+        "sync_loads_after_step_1": max(s["sync_loads"] for s in stats[1:]),
+        "stall_seconds_median": statistics.median(s["stall_seconds"] for s in stats[1:]),
+        "bytes_offloaded": last["bytes_offloaded"],
+        "bytes_reloaded": last["bytes_reloaded"],
+        "backend": last["backend"],
+        "losses_identical": len(losses["none"] | losses["tba"]) == 1,
+        "machine": machine_line(args.spill_dir),
+        "config": {k: v for k, v in off.config.as_dict().items() if k != "spill_dir"},
+    }
+    res["peak_over_saved"] = res["peak_resident_bytes"] / res["saved_bytes"]
+
+    print()
+    print(res["machine"])
+    print(f"{res['workload']}, {args.repeats} interleaved repeats, backend {res['backend']}")
+    print(f"{'mode':<12}{'median step (s)':>16}{'vs none':>10}")
+    for m in MODES:
+        print(f"{m:<12}{med[m]:>16.3f}{med[m] / med['none']:>10.3f}")
+    print(f"tba / checkpoint step time:      {res['tba_over_checkpoint']:.3f}")
+    print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
+    print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")
+    print(f"peak_resident / saved:           {res['peak_over_saved']:.3f}")
+    print(f"sync_loads after step 1 (max):   {res['sync_loads_after_step_1']}")
+    print(f"stall_seconds (median):          {res['stall_seconds_median']:.4f}")
+    print(f"losses identical (none vs tba):  {res['losses_identical']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

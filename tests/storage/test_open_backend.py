@@ -1,0 +1,180 @@
+"""open_backend: probing, "auto" fallback, forced backends, and the once-per-process log line."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import tempfile
+
+import pytest
+from storage_util import empty, filled
+
+from tba.errors import ConfigError
+from tba.storage import BufferedBackend, MemoryBackend, PosixBackend, open_backend
+from tba.storage.checksum import checksum_fn
+
+
+def no_o_direct_at_open(monkeypatch):
+    """Make every O_DIRECT open fail with EINVAL, as on filesystems without direct I/O."""
+    real = os.open
+
+    def fake(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", fake)
+
+
+def no_o_direct_at_write(monkeypatch):
+    """O_DIRECT opens succeed but the first aligned write fails with EINVAL."""
+    real = os.pwrite
+
+    def fake(fd, buf, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, buf, off)
+
+    monkeypatch.setattr(os, "pwrite", fake)
+
+
+def test_auto_takes_posix_on_a_disk(make_cfg):
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert isinstance(b, PosixBackend)
+        assert b.name == "posix"
+        assert b.reason.startswith("auto: O_DIRECT write+read probe passed on ")
+        assert f" at {make_cfg().spill_dir} (dio align " in b.reason
+        assert b.reason.endswith(f", using {b.alignment})")
+
+
+@pytest.mark.parametrize("inject", [no_o_direct_at_open, no_o_direct_at_write])
+def test_auto_falls_back_to_buffered_without_o_direct(make_cfg, monkeypatch, inject):
+    inject(monkeypatch)
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert isinstance(b, BufferedBackend)
+        assert b.reason.startswith("auto: posix probe failed (")
+        assert "EINVAL (Invalid argument). The filesystem may refuse O_DIRECT" in b.reason
+        assert "); buffered write+read probe passed on " in b.reason
+        assert "fdatasync+DONTNEED every 128 MiB" in b.reason
+        ext = b.allocate(10_000)
+        data = filled(ext.length)
+        b.write(ext, data).result()
+        back = empty(ext.length)
+        b.read(ext, back).result()
+        assert back == data
+    assert os.listdir(make_cfg().spill_dir) == []
+
+
+@pytest.mark.parametrize("inject", [no_o_direct_at_open, no_o_direct_at_write])
+def test_forced_posix_whose_probe_fails_is_a_config_error(make_cfg, monkeypatch, inject):
+    inject(monkeypatch)
+    with pytest.raises(
+        ConfigError,
+        match=r"^tba\.config: TBA_BACKEND=posix was requested but its probe failed: "
+        r"(open|write) of \d+ bytes at offset 0 in .*/probe \(unlinked\) failed: EINVAL "
+        r"\(Invalid argument\)\. The filesystem may refuse O_DIRECT: try TBA_BACKEND=buffered\. "
+        r"Use TBA_BACKEND=auto",
+    ):
+        open_backend(make_cfg(backend="posix"))
+    assert os.listdir(make_cfg().spill_dir) == []  # the failed probe left nothing
+
+
+def test_probe_that_reads_back_wrong_bytes_fails(make_cfg, monkeypatch):
+    def zeros(fd, bufs, off):
+        bufs[0][:] = bytes(len(bufs[0]))
+        return len(bufs[0])
+
+    monkeypatch.setattr(os, "preadv", zeros)
+    with pytest.raises(
+        ConfigError,
+        match=r"TBA_BACKEND=buffered was requested but its probe failed: probe read of 4096 "
+        r"bytes at offset 0 in .* failed: EIO \(Input/output error\)\. The bytes read back differ "
+        r"from the bytes written",
+    ):
+        open_backend(make_cfg(backend="buffered"))
+
+
+def test_auto_with_nothing_working_names_each_failure(make_cfg, monkeypatch):
+    real = os.open
+
+    def read_only(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_RDWR:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(
+        ConfigError,
+        match=r"no storage backend works in .*/spill: posix probe failed \(open of 0 bytes .* "
+        r"EROFS \(Read-only file system\)\); buffered probe failed \(open .*EROFS.*\)\. Point "
+        r"TBA_SPILL_DIR at a writable local disk, or use TBA_BACKEND=memory",
+    ):
+        open_backend(make_cfg(backend="auto"))
+
+
+@pytest.mark.parametrize("name", ["native", "kvikio"])
+def test_engines_not_in_this_build(make_cfg, name):
+    with pytest.raises(
+        ConfigError,
+        match=rf"TBA_BACKEND={name} is not available in this build yet\. Use TBA_BACKEND=posix",
+    ):
+        open_backend(make_cfg(backend=name))
+
+
+def test_memory_backend_touches_no_disk(make_cfg):
+    with open_backend(make_cfg(backend="memory")) as b:
+        assert isinstance(b, MemoryBackend)
+        assert b.reason.startswith("TBA_BACKEND=memory: saved tensors stay in host memory")
+        b.write(b.allocate(4096), filled(4096)).result()
+    assert not os.path.exists(make_cfg().spill_dir)
+
+
+def test_forced_names_say_so(make_cfg):
+    with open_backend(make_cfg(backend="posix")) as b:
+        assert b.reason.startswith("TBA_BACKEND=posix: O_DIRECT write+read probe passed on ")
+
+
+def test_missing_checksum_package_fails_at_open(make_cfg, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "xxhash", None)
+    checksum_fn.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"TBA_CHECKSUM=xxh64 needs the xxhash package"):
+            open_backend(make_cfg(backend="posix", checksum="xxh64"))
+    finally:
+        checksum_fn.cache_clear()
+    assert not os.path.exists(make_cfg().spill_dir)
+
+
+def test_choice_is_logged_once(make_cfg, caplog):
+    caplog.set_level(logging.INFO, logger="tba.storage")
+    for _ in range(3):
+        open_backend(make_cfg(backend="auto")).close()
+    lines = [r for r in caplog.records if "using the posix backend" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.INFO
+    assert "auto: O_DIRECT write+read probe passed" in lines[0].getMessage()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_buffered_on_tmpfs(make_cfg):
+    try:
+        root = tempfile.mkdtemp(prefix="tba-test-", dir="/dev/shm")
+    except OSError:
+        pytest.skip("/dev/shm is not writable")
+    try:
+        with open_backend(make_cfg(backend="buffered", spill_dir=root)) as b:
+            assert " on tmpfs at " in b.reason
+            exts = [b.allocate(n) for n in (4096, 70_000, 1 << 20)]
+            datas = [filled(e.length) for e in exts]
+            for f in [b.write(e, d) for e, d in zip(exts, datas)]:
+                f.result()
+            for e, d in zip(exts, datas):
+                back = empty(e.length)
+                b.read(e, back).result()
+                assert back == d
+            assert os.listdir(b.spill_path) == []
+        assert os.listdir(root) == []
+    finally:
+        os.rmdir(root)
