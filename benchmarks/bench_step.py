@@ -95,6 +95,9 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in off.config.as_dict().items() if k != "spill_dir"},
     }
     res["peak_over_saved"] = res["peak_resident_bytes"] / res["saved_bytes"]
+    paired = [t / n for t, n in zip(times["tba"], times["none"])]
+    res["tba_over_none_paired"] = statistics.median(paired)
+    res["tba_over_none_range"] = (min(paired), max(paired))
 
     print()
     print(res["machine"])
@@ -102,6 +105,11 @@ def main(argv=None) -> int:
     print(f"{'mode':<12}{'median step (s)':>16}{'vs none':>10}")
     for m in MODES:
         print(f"{m:<12}{med[m]:>16.3f}{med[m] / med['none']:>10.3f}")
+    lo, hi = res["tba_over_none_range"]
+    print(
+        f"tba / none, per-round pairs:     median {res['tba_over_none_paired']:.3f} "
+        f"(range {lo:.3f} to {hi:.3f})"
+    )
     print(f"tba / checkpoint step time:      {res['tba_over_checkpoint']:.3f}")
     print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")

@@ -68,19 +68,8 @@ class StepState:
         self.kept_reasons[reason] += 1
 
     def snapshot(self, disk_bytes_in_use: int) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "saved_bytes": self.saved_bytes,
-            "bytes_offloaded": self.bytes_offloaded,
-            "bytes_reloaded": self.bytes_reloaded,
-            "tensors_offloaded": self.tensors_offloaded,
-            "tensors_kept": self.tensors_kept,
-            "dedup_hits": self.dedup_hits,
-            "forwarded": self.forwarded,
-            "sync_loads": self.sync_loads,
-            "stall_seconds": self.stall_seconds,
-            "peak_resident_bytes": self.peak_resident_bytes,
-            "disk_bytes_in_use": disk_bytes_in_use,
-        }
+        out: dict[str, Any] = {k: getattr(self, k) for k in PINNED_KEYS[:-1]}
+        out["disk_bytes_in_use"] = disk_bytes_in_use
         out.update(
             step=self.index,
             kept_reasons=dict(self.kept_reasons),

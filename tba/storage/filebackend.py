@@ -135,54 +135,28 @@ class SlabBackend:
         return pos
 
     def _write_all(self, fd: int, buf: memoryview, off: int, shown: str) -> None:
-        n = len(buf)
-        pos = again = stalls = 0
-        while pos < n:
-            try:
-                k = self._pwrite(fd, buf[pos:], off + pos)
-            except OSError as e:
-                if e.errno == errno.EAGAIN and again < _MAX_AGAIN:
-                    again += 1
-                    time.sleep(0.001 * again)
-                    continue
-                code = e.errno or errno.EIO
-                raise StorageError(
-                    "write", shown, off + pos, n - pos, code, hint_for(code)
-                ) from None
-            new = self._resume_at(pos + k, n) if k > 0 else pos
-            if new <= pos:
-                stalls += 1
-                if stalls >= _MAX_STALLS:
-                    raise StorageError(
-                        "write",
-                        shown,
-                        off + pos,
-                        n - pos,
-                        errno.EIO,
-                        f"The device made no progress in {stalls} attempts.",
-                    )
-            else:
-                stalls = 0
-            pos = new
+        self._transfer("write", lambda view, at: self._pwrite(fd, view, at), buf, off, shown)
 
     def _read_all(self, fd: int, buf: memoryview, off: int, shown: str) -> None:
+        self._transfer("read", lambda view, at: self._preadv(fd, [view], at), buf, off, shown)
+
+    def _transfer(self, op: str, call, buf: memoryview, off: int, shown: str) -> None:
+        """Move all of ``buf`` at ``off`` with ``call(view, offset) -> bytes``; see NOTE 1-2."""
         n = len(buf)
         pos = again = stalls = 0
         while pos < n:
             try:
-                k = self._preadv(fd, [buf[pos:]], off + pos)
+                k = call(buf[pos:], off + pos)
             except OSError as e:
                 if e.errno == errno.EAGAIN and again < _MAX_AGAIN:
                     again += 1
                     time.sleep(0.001 * again)
                     continue
                 code = e.errno or errno.EIO
+                raise StorageError(op, shown, off + pos, n - pos, code, hint_for(code)) from None
+            if k == 0 and op == "read":
                 raise StorageError(
-                    "read", shown, off + pos, n - pos, code, hint_for(code)
-                ) from None
-            if k == 0:
-                raise StorageError(
-                    "read",
+                    op,
                     shown,
                     off + pos,
                     n - pos,
@@ -190,12 +164,12 @@ class SlabBackend:
                     "Unexpected end of file: the spill file is shorter than the extent. Nothing "
                     "was zero-filled; the tensor cannot be restored.",
                 )
-            new = self._resume_at(pos + k, n)
+            new = self._resume_at(pos + k, n) if k > 0 else pos
             if new <= pos:
                 stalls += 1
                 if stalls >= _MAX_STALLS:
                     raise StorageError(
-                        "read",
+                        op,
                         shown,
                         off + pos,
                         n - pos,
