@@ -185,8 +185,7 @@ class Handle:
 
     def view_of(self, buf: torch.Tensor) -> torch.Tensor:
         """This handle's tensor as a view of the uint8 buffer ``buf`` (zero-copy)."""
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        base = buf.storage_offset() // item
+        base = buf.storage_offset() // self.dtype.itemsize
         out = torch.empty(0, dtype=self.dtype, device=buf.device)
         return out.set_(buf.untyped_storage(), base + self.offset, self.size, self.stride)
 
