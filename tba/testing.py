@@ -47,6 +47,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(h)
         self.fc1 = nn.Linear(h, cfg.mlp_ratio * h)
         self.fc2 = nn.Linear(cfg.mlp_ratio * h, h)
+        self.act = nn.GELU()  # a module, so tba.layers.convert can swap it
         self.drop = nn.Dropout(cfg.dropout)
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attend(x))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+        return x + self.drop(self.fc2(self.act(self.fc1(self.ln2(x)))))
 
 
 class GPT(nn.Module):

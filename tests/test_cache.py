@@ -192,20 +192,39 @@ def test_activations_written_but_weights_not(make_offloader):
 
 
 def test_freed_storage_never_aliases_an_old_entry(make_offloader):
+    """A storage freed while its entry lives must not let a new storage match that entry.
+
+    The allocator hands a freed block of the same size straight back, so without the entry's
+    weak reference pinning the StorageImpl, the new storage would get the old address and the
+    same dedup key, and backward would receive the old values.
+    """
     off = make_offloader()
     w = torch.ones(1024, requires_grad=True)
+    losses = []
     with off.step():
-        a = torch.full((1024,), 2.0)
-        la = (w * a).sum()  # saves a
-        del a
-        gc.collect()
-        b = torch.full((1024,), 3.0)  # may land at the same address as a did
-        lb = (w * b).sum()  # saves b: must not be mistaken for a
-        del b
+        for i in range(20):
+            a = torch.full((1024,), float(i))
+            losses.append((w * a).sum())  # saves a; only the graph (the handle) keeps it
+            del a
         off.synchronize()
-    (la + lb).backward()
-    assert torch.equal(w.grad, torch.full((1024,), 5.0))
-    assert off.stats()["dedup_hits"] == 0
+    sum(losses).backward()
+    assert torch.equal(w.grad, torch.full((1024,), float(sum(range(20)))))
+    assert off.stats()["dedup_hits"] == 0 and off.stats()["tensors_offloaded"] == 20
+
+
+def test_entry_outliving_its_step_is_not_aliased(make_offloader):
+    """Graphs of earlier steps stay alive (accumulation): their entries must keep their keys."""
+    off = make_offloader()
+    w = torch.ones(1024, requires_grad=True)
+    losses = []
+    for i in range(10):
+        with off.step():
+            a = torch.full((1024,), float(i))
+            losses.append((w * a).sum())
+            del a
+            off.synchronize()
+    sum(losses).backward()
+    assert torch.equal(w.grad, torch.full((1024,), float(sum(range(10)))))
 
 
 def test_dropped_graph_leaves_nothing(make_offloader):

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import tba.layers as tl
 from tba.testing import GPT, GPTConfig, random_batch
 
 from .conftest import step_ctx
@@ -36,6 +37,15 @@ def checkpointed_gpt():
     return model
 
 
+def converted_gpt(**options):
+    def make():
+        model = GPT(SMALL)
+        tl.convert(model, **options)
+        return model
+
+    return make
+
+
 def gpt_batch(step):
     return random_batch(SMALL, 4, seed=step)
 
@@ -55,6 +65,8 @@ MODELS = {
     "inplace_relu_mlp": (InplaceMLP, mlp_batch),
     "tied_embeddings": (lambda: GPT(GPTConfig(**{**vars(SMALL), "tied": True})), gpt_batch),
     "checkpointed_blocks": (checkpointed_gpt, gpt_batch),
+    "tempo_layers": (converted_gpt(gelu="tempo", norm="tempo"), gpt_batch),
+    "ms_norm_regelu2_layers": (converted_gpt(gelu="regelu2", norm="ms"), gpt_batch),
 }
 
 

@@ -35,8 +35,8 @@ from ._msnorm import MSLayerNorm, MSRMSNorm
 __all__ = ["merge_norm_affine", "MergeReport", "NORM_CONSUMERS"]
 
 _QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-_PRE_ATTN = (("attn.c_attn",), ("attn.qkv",), _QKV)
-_PRE_MLP = (("mlp.c_fc",), ("mlp.fc1",), ("mlp.gate_proj", "mlp.up_proj"))
+_PRE_ATTN = (("attn.c_attn",), ("attn.qkv",), _QKV, ("qkv",))
+_PRE_MLP = (("mlp.c_fc",), ("mlp.fc1",), ("mlp.gate_proj", "mlp.up_proj"), ("fc1",))
 _HF_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _FINAL = (("lm_head",), ("../lm_head",), ("head",))
 

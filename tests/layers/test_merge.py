@@ -211,7 +211,7 @@ def test_pattern_without_linears_and_empty_mapping():
     with pytest.raises(
         L.NormMergeError,
         match=r"fed by 'ln_1' \(LayerNorm\): no candidate exists as nn.Linear \(tried attn.c_attn; "
-        r"attn.qkv; attn.q_proj\+attn.k_proj\+attn.v_proj\)",
+        r"attn.qkv; attn.q_proj\+attn.k_proj\+attn.v_proj; qkv\)",
     ):
         L.merge_norm_affine(model)
     with pytest.raises(L.NormMergeError, match=r"'ln_1' \(LayerNorm\): mapping= lists no Linears"):
