@@ -25,6 +25,7 @@ freed normally.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -236,7 +237,7 @@ class Cache:
         self.entries: dict[Any, Entry] = {}  # (storage cdata, version) -> whole-storage entry
         self.kept: dict[int, KeptEntry] = {}  # storage cdata -> kept storage
         self.resident = 0
-        self.live_entries = 0
+        self.graveyard: deque = deque()  # (key, entry, packs) of dead handles; see bury()
 
     # -- accounting ---------------------------------------------------------------------------
     def charge(self, n: int) -> None:
@@ -265,27 +266,34 @@ class Cache:
         return e
 
     # -- lifetimes ----------------------------------------------------------------------------
-    def _unindex(self, h: Any) -> None:
-        ref = self.handles.get(h.key)
-        if ref is not None and ref() in (None, h):
-            del self.handles[h.key]
-
+    # NOTE [Deferred release]
+    # A handle's ``__del__`` can run anywhere: after a backward node, but also inside cyclic GC
+    # triggered by any allocation, on any thread, possibly while that thread holds the staging
+    # or slab lock. So ``__del__`` only appends to ``graveyard`` (an atomic deque append) and
+    # the Offloader calls :meth:`bury` at safe points (pack, unpack, step edges, stats,
+    # synchronize, I/O completions) with its lock held and no other tba lock taken.
     def drop_kept(self, h: KeptHandle) -> None:
-        with self.lock:
-            self._unindex(h)
-            e = h.entry
-            e.handles -= 1
-            if e.handles == 0:
-                if self.kept.get(e.cdata) is e:
-                    del self.kept[e.cdata]
-                self.uncharge(e.nbytes)
+        self.graveyard.append((h.key, h.entry, 0))
 
     def drop_handle(self, h: Handle) -> None:
-        with self.lock:
-            self._unindex(h)
-            e = h.entry
+        self.graveyard.append((h.key, h.entry, h.packs))
+
+    def bury(self) -> None:
+        """Account every handle that died since the last call. Lock held."""
+        g = self.graveyard
+        while g:
+            key, e, packs = g.popleft()
+            ref = self.handles.get(key)
+            if ref is not None and ref() is None:
+                del self.handles[key]
             e.handles -= 1
-            e.uses -= h.packs
+            if isinstance(e, KeptEntry):
+                if e.handles == 0:
+                    if self.kept.get(e.cdata) is e:
+                        del self.kept[e.cdata]
+                    self.uncharge(e.nbytes)
+                continue
+            e.uses -= packs
             e.left = min(e.left, e.uses)
             if e.handles == 0:
                 if self.entries.get(e.key) is e:

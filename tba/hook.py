@@ -38,6 +38,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         storage = t.untyped_storage()
         key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with off._lock:
+            off.cache.bury()
             st.packs += 1
             h = off.cache.find(key)
             if h is not None:

@@ -109,6 +109,7 @@ class Offloader:
                     "current `with off.step():` block before starting another."
                 )
             self._active_thread = me
+            self.cache.bury()
             self._steps += 1
             st = StepState(self._steps)
             self._current = st
@@ -120,6 +121,7 @@ class Offloader:
                 yield self
         finally:
             with self._lock:
+                self.cache.bury()
                 self.groups.end()
                 st.finish_forward()
                 self._active_thread = None
@@ -130,6 +132,8 @@ class Offloader:
     def stats(self) -> dict[str, Any]:
         """Counters of the last step whose forward has ended (see ARCHITECTURE.md for keys)."""
         with self._lock:
+            if self.enabled:
+                self.cache.bury()
             st = self._last
             if st is None:
                 st = StepState(0)
@@ -147,6 +151,8 @@ class Offloader:
         """Wait until every write and read issued so far has completed."""
         if self.enabled:
             self._drain()
+            with self._lock:
+                self.cache.bury()
 
     def close(self) -> None:
         """Finish in-flight I/O, bring back what live graphs still need, close the files."""
@@ -327,6 +333,7 @@ class Offloader:
                 e.host = self._copy_out(e)  # prefetch asked while it was being written
                 e.from_disk = False
             self._free_staging(e)
+            self.cache.bury()
 
     def _write_failed(self, e: Entry, err: BaseException) -> None:
         """Keep the bytes in memory: a failed write never loses data."""
@@ -360,10 +367,12 @@ class Offloader:
         t = h.live_original()
         if t is not None:
             with self._lock:
+                self.cache.bury()
                 e.step.forwarded += 1
                 self._consume(e)
             return t
         with self._lock:
+            self.cache.bury()
             buf, _ = self._bytes_for(e)
             out = h.view_of(buf)
             if not e.from_disk:
@@ -461,6 +470,7 @@ class Offloader:
             e.host = buf
             e.from_disk = True
             e.step.bytes_reloaded += e.nbytes
+            self.cache.bury()
 
     # -- lifetimes ----------------------------------------------------------------------------
     def retire(self, e: Entry) -> None:
@@ -497,6 +507,7 @@ class Offloader:
     def _drain(self) -> None:
         while True:
             with self._lock:
+                self.cache.bury()
                 pending = list(self._pending)
             if not pending:
                 return

@@ -362,3 +362,23 @@ def test_sigkill_leaves_no_bytes(spill_dir, tmp_path):
     assert os.listdir(spill_dir) == [os.path.basename(off.backend.spill_path)]
     off.close()
     assert os.listdir(spill_dir) == []
+
+
+def test_concurrent_graphs_keep_their_own_step_stats(make_offloader, model):
+    """Two forwards before one backward: each step's numbers stay its own."""
+    off = make_offloader()
+    x, y = random_batch(CFG, 4)
+    with off.step(model):
+        first = model(x, y)
+        off.synchronize()
+    st1 = off._last
+    with off.step(model):
+        second = model(x[:2], y[:2])
+        off.synchronize()
+    st2 = off._last
+    (first + second).backward()
+    off.synchronize()
+    assert st1 is not st2 and st1.bytes_offloaded > st2.bytes_offloaded > 0
+    assert st1.bytes_reloaded == st1.bytes_offloaded
+    assert st2.bytes_reloaded == st2.bytes_offloaded
+    assert off.stats()["step"] == 2 and off.stats()["bytes_offloaded"] == st2.bytes_offloaded

@@ -1,0 +1,23 @@
+"""The README documents every setting and every stats() key."""
+
+from __future__ import annotations
+
+import os
+
+import tba
+from tba.config import Config
+
+README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+
+
+def test_readme_lists_every_variable_and_stats_key():
+    text = open(README).read()
+    for _, env, _, _ in Config.describe():
+        assert f"`{env}`" in text, f"README.md does not document {env}"
+    for key in tba.PINNED_KEYS:
+        assert f"`{key}`" in text, f"README.md does not document stats()['{key}']"
+
+
+def test_readme_starts_with_the_two_commands():
+    head = open(README).read().split("\n## ")[0]
+    assert "make demo" in head and "make test" in head
