@@ -10,8 +10,13 @@ from tba.config import Config
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 
 
+def readme() -> str:
+    with open(README) as f:
+        return f.read()
+
+
 def test_readme_lists_every_variable_and_stats_key():
-    text = open(README).read()
+    text = readme()
     for _, env, _, _ in Config.describe():
         assert f"`{env}`" in text, f"README.md does not document {env}"
     for key in tba.PINNED_KEYS:
@@ -19,5 +24,5 @@ def test_readme_lists_every_variable_and_stats_key():
 
 
 def test_readme_starts_with_the_two_commands():
-    head = open(README).read().split("\n## ")[0]
+    head = readme().split("\n## ")[0]
     assert "make demo" in head and "make test" in head
