@@ -164,23 +164,22 @@ class Offloader:
             self.prefetcher.drop_plans()
         self._drain()
         with self._lock:
-            survivors = [e for e in self._live if e.state == ON_DISK and e.host is None]
-        if survivors:
-            log.warning(
-                "tba.offloader: closing while %d saved tensors are still needed by live graphs; "
-                "reading them back into memory",
-                len(survivors),
-            )
-            for e in survivors:
-                with self._lock:
-                    if e.state == ON_DISK and e.host is None and e.extent is not None:
-                        self._start_read(e)
-            self._drain()
-            with self._lock:
-                for e in survivors:
-                    if e.host is not None:
-                        self._free_extent(e)
-                        e.state = MEMORY
+            unread = [e for e in self._live if e.state == ON_DISK and e.host is None]
+            if unread:
+                log.warning(
+                    "tba.offloader: closing while live graphs still need %d saved tensors on "
+                    "disk; reading them back into memory",
+                    len(unread),
+                )
+            for e in unread:
+                self._start_read(e)
+        self._drain()
+        with self._lock:
+            for e in list(self._live):  # whatever is in memory now stays there, off the disk
+                if e.state == ON_DISK and e.host is not None:
+                    self._free_extent(e)
+                    self.prefetcher.give_back(e)
+                    e.state = MEMORY
         if self._capture_pool is not None:
             self._capture_pool.shutdown(wait=True)
         self.backend.close()
@@ -302,12 +301,12 @@ class Offloader:
         src, version = e.check
         e.check = None
         e.ticket = None
+        if e.state == DEAD:
+            self._release_io_resources(e)
+            return
         if src._version != version:
             e.error = modified_error(src.shape, src.dtype, src._version, version)
             e.state = FAILED
-            self._release_io_resources(e)
-            return
-        if e.state == DEAD:
             self._release_io_resources(e)
             return
         e.state = WRITING

@@ -248,9 +248,12 @@ def test_close_with_live_graph_keeps_data(make_offloader, model):
         loss = model(x, y)
         off.synchronize()
     off.close()
-    loss.backward()
+    loss.backward(retain_graph=True)  # twice: the second use must not touch the closed files
     got = [p.grad.clone() for p in model.parameters()]
     assert all(map(torch.equal, got, want[1]))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want[1]))
 
 
 def test_disabled_is_a_no_op(spill_dir, model, monkeypatch):
