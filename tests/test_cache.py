@@ -294,6 +294,7 @@ def test_handles_freed_by_cyclic_gc_are_released_at_a_safe_point(make_offloader)
         holder.loss = (torch.randn(4096).exp() * w).sum()
         holder.me = holder  # a reference cycle: only the cyclic GC can free the graph
         off.synchronize()
+    off.synchronize()  # the prefetch read too: no I/O callback (also a safe point) may run now
     assert off.backend.usage()["disk_bytes_in_use"] > 0
     del holder
     gc.collect()  # may run anywhere in real code, e.g. under the slab lock
