@@ -55,7 +55,6 @@ class StepState:
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
-        self.active = True  # forward still running
 
     def see(self, storage: Any, cdata: int, nbytes: int) -> None:
         """Count a storage once per step in ``saved_bytes`` (the baseline's residency)."""
@@ -72,6 +71,7 @@ class StepState:
         out["disk_bytes_in_use"] = disk_bytes_in_use
         out.update(
             step=self.index,
+            packs=self.packs,
             kept_reasons=dict(self.kept_reasons),
             peak_disk_bytes=self.peak_disk_bytes,
             io_errors=self.io_errors,
@@ -82,6 +82,5 @@ class StepState:
         return out
 
     def finish_forward(self) -> None:
-        self.active = False
         self.forward_seconds = time.perf_counter() - self.started
         self.seen.clear()  # release the weak references; saved_bytes is final

@@ -42,11 +42,21 @@ _NOT_BUILT = ("native", "kvikio")
 _logged: set[tuple[str, str]] = set()
 
 
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
 def _announce(backend: Backend) -> None:
     key = (backend.name, backend.reason)
     if key not in _logged:
         _logged.add(key)
         log.info("tba.storage: using the %s backend (%s)", backend.name, backend.reason)
+        if getattr(backend, "fs", None) in _MEMORY_FILESYSTEMS:
+            log.warning(
+                "tba.storage: the spill dir %s is on %s, which lives in RAM: offloading there "
+                "frees no memory. Point TBA_SPILL_DIR at a local disk.",
+                backend.spill_path,
+                backend.fs,
+            )
 
 
 def _probe_failure(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ import tempfile
 import pytest
 from storage_util import empty, filled
 
+from tba.config import Config
 from tba.errors import ConfigError
 from tba.storage import BufferedBackend, MemoryBackend, PosixBackend, open_backend
 from tba.storage.checksum import checksum_fn
@@ -178,3 +179,28 @@ def test_buffered_on_tmpfs(make_cfg):
         assert os.listdir(root) == []
     finally:
         os.rmdir(root)
+
+
+def _shm_is_tmpfs() -> bool:
+    from tba.storage.statx import fs_type
+
+    return os.path.isdir("/dev/shm") and fs_type("/dev/shm") == "tmpfs"
+
+
+@pytest.mark.skipif(not _shm_is_tmpfs(), reason="/dev/shm is not a tmpfs here")
+def test_spill_dir_in_ram_gets_a_warning(caplog):
+    import tba.storage as storage
+
+    storage._logged.clear()
+    root = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        with caplog.at_level(logging.WARNING, logger="tba.storage"):
+            backend = open_backend(Config(spill_dir=root, min_free_bytes=0, environ={}))
+            backend.close()
+    finally:
+        os.rmdir(root)
+    assert backend.fs == "tmpfs"
+    assert any(
+        "is on tmpfs, which lives in RAM: offloading there frees no memory" in r.getMessage()
+        for r in caplog.records
+    )
