@@ -5,42 +5,43 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import torch
+
+from tba.storage.statx import fs_type
 
 
 def _cpu_model() -> str:
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
 
 
-def _fs_type(path: str) -> str:
-    best, fstype = "", "unknown"
+def _disk(path: str) -> str:
+    """The block device under ``path``, with its model or driver when sysfs tells."""
     try:
-        real = os.path.realpath(path)
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                mnt = parts[1]
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, f"{parts[2]} on {parts[0]}"
+        st = os.stat(path)
+        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
     except OSError:
-        pass
-    return fstype
+        return "unknown disk"
+    for sub in ("device/model", "../device/model"):
+        p = dev / sub
+        if p.exists():
+            return f"{dev.name} ({p.read_text().strip()})"
+    drv = dev / "device/driver"
+    return f"{dev.name} ({drv.resolve().name})" if drv.exists() else dev.name
 
 
 def _commit() -> str:
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(
-            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
             check=False,
@@ -54,6 +55,7 @@ def machine_line(spill_dir: str) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
         f"machine: {_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
-        f"kernel {platform.release()}, spill dir {spill_dir} ({_fs_type(spill_dir)}), "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), commit {_commit()}"
+        f"kernel {platform.release()}, spill dir {spill_dir} ({fs_type(spill_dir)} on "
+        f"{_disk(spill_dir)}), python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), commit {_commit()}"
     )

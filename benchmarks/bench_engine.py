@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -27,59 +26,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+
+from _machine import machine_line  # noqa: E402
 
 from tba._memory import aligned_empty, as_memoryview  # noqa: E402
 from tba.config import Config, format_size, parse_size  # noqa: E402
 from tba.storage import open_backend  # noqa: E402
 from tba.storage.slab import open_unnamed  # noqa: E402
-from tba.storage.statx import fs_type  # noqa: E402
 
 GIB = 1 << 30
 POOL_BYTES = 256 << 20  # distinct source/destination memory, cycled through by both modes
-
-
-def machine_line(spill_dir: str) -> str:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    disk = "unknown"
-    try:
-        st = os.stat(spill_dir)
-        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
-        disk = dev.name
-        for sub in ("device/model", "../device/model"):
-            p = dev / sub
-            if p.exists():
-                disk += f" ({p.read_text().strip()})"
-                break
-        else:
-            drv = dev / "device/driver"
-            if drv.exists():
-                disk += f" ({drv.resolve().name})"
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "none"
-    return (
-        f"machine: cpu={cpu!r} cores={os.cpu_count()} kernel={platform.release()} "
-        f"fs={fs_type(spill_dir)} disk={disk} spill_dir={spill_dir} torch={torch.__version__} "
-        f"python={platform.python_version()} commit={commit}"
-    )
 
 
 def run_reference(fd: int, pool: memoryview, size: int, count: int, write: bool) -> float:

@@ -199,12 +199,15 @@ class Offloader:
         """The same view saved again: no new bytes, one more use."""
         st.dedup_hits += 1
         if isinstance(h, Handle):
-            e = h.entry
             h.packs += 1
-            e.uses += 1
-            e.left += 1
-            e.seq = self.next_seq()
+            self._one_more_use(h.entry)
         return h
+
+    def _one_more_use(self, e: Entry) -> None:
+        """A save of ``e``: one more unpack to expect, and it moves up the prefetch order."""
+        e.uses += 1
+        e.left += 1
+        e.seq = self.next_seq()
 
     def keep(self, t: torch.Tensor, key: Any, nbytes: int, reason: str, st: StepState):
         st.keep(reason)
@@ -236,9 +239,7 @@ class Offloader:
                 return e
         h = Handle(e, t, stride, offset, key)
         e.handles += 1
-        e.uses += 1
-        e.left += 1
-        e.seq = self.next_seq()
+        self._one_more_use(e)
         self.cache.add_handle(h)
         return h
 
