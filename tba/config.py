@@ -209,6 +209,27 @@ _FIELDS: dict[str, _Field] = {
         4,
         "Threads issuing reads and writes. More gives more requests in flight on the drive.",
     ),
+    "io_depth": _Field(
+        "TBA_IO_DEPTH",
+        _count(1),
+        32,
+        "Requests the native engine keeps in flight (its io_uring queue depth, or its thread "
+        "count when io_uring is unavailable).",
+    ),
+    "gds_task_bytes": _Field(
+        "TBA_GDS_TASK_BYTES",
+        _size_at_least(4096),
+        8 << 20,
+        "kvikio backend: each read or write is split into tasks of this size, spread over "
+        "TBA_IO_THREADS threads.",
+    ),
+    "coalesce_bytes": _Field(
+        "TBA_COALESCE_BYTES",
+        parse_size,
+        1 << 20,
+        "Offloaded tensors smaller than this are packed together, per group, into one aligned "
+        "extent and written with one request. 0 turns coalescing off.",
+    ),
     "staging_bytes": _Field(
         "TBA_STAGING_BYTES",
         _size_at_least(1 << 20),
@@ -313,6 +334,9 @@ class Config:
     backend: str = _UNSET
     min_offload_bytes: int = _UNSET
     io_threads: int = _UNSET
+    io_depth: int = _UNSET
+    gds_task_bytes: int = _UNSET
+    coalesce_bytes: int = _UNSET
     staging_bytes: int = _UNSET
     prefetch_bytes: int = _UNSET
     keep_last: int = _UNSET
