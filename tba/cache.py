@@ -119,6 +119,8 @@ class Entry:
         "io_busy",
         "reading",
         "from_disk",
+        "batch",
+        "slot_at",
     )
 
     def __init__(self, cache: Cache, step: StepState, key: Any, storage_ref: Any, t, nbytes: int):
@@ -147,6 +149,8 @@ class Entry:
         self.io_busy = False  # a read or write is in flight
         self.reading = None  # the read's future while one is in flight
         self.from_disk = False  # ``host`` came from a disk read (not staging or a fallback)
+        self.batch = None  # the Batch this small tensor was coalesced into (NOTE [Coalescing])
+        self.slot_at = 0  # its byte offset inside the batch
 
     def __repr__(self) -> str:
         return f"<Entry {STATE_NAMES[self.state]} {self.nbytes}B>"

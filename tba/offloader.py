@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ._memory import as_memoryview
 from .cache import (
+    CAPTURE,
     DEAD,
     FAILED,
     MEMORY,
@@ -33,6 +34,7 @@ from .cache import (
     KeptHandle,
     modified_error,
 )
+from .coalesce import Batch, batch_bytes
 from .config import Config
 from .device import CpuAdapter, DeviceAdapter, adapter_for
 from .errors import StorageError, TBAError, UsageError
@@ -87,6 +89,8 @@ class Offloader:
         self.prefetcher = Prefetcher(config.prefetch_bytes, self._start_read)
         self._adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
         self._capture_pool: Any = None
+        self._batches: dict[torch.device, Batch] = {}  # the open batch per device
+        self._batch_bytes = batch_bytes(config.coalesce_bytes, config.staging_bytes, self.align)
 
     # -- public surface -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -122,6 +126,7 @@ class Offloader:
         finally:
             with self._lock:
                 self.cache.bury()
+                self._seal_all()
                 self.groups.end()
                 st.finish_forward()
                 self._active_thread = None
@@ -148,8 +153,10 @@ class Offloader:
             return out
 
     def synchronize(self) -> None:
-        """Wait until every write and read issued so far has completed."""
+        """Write what is still being coalesced, then wait for every write and read so far."""
         if self.enabled:
+            with self._lock:
+                self._seal_all()
             self._drain()
             with self._lock:
                 self.cache.bury()
@@ -162,6 +169,7 @@ class Offloader:
         with self._lock:
             self.closed = True
             self.prefetcher.drop_plans()
+            self._seal_all()
         self._drain()
         with self._lock:
             unread = [e for e in self._live if e.state == ON_DISK and e.host is None]
@@ -247,24 +255,34 @@ class Offloader:
         if self._disk_full_step == st.index:
             return "disk_full"
         adapter, staging = self._device(t.device)
-        block = staging.alloc(nbytes)
-        if block is None:
-            return "staging_full"
-        extent = self.backend.allocate(nbytes)
-        if extent is None:
-            staging.free(block)
-            self._disk_full_step = st.index
-            self._warn_once("disk_full", "tba: no disk space within quota; keeping in memory")
-            return "disk_full"
-        if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
-            staging.free(block)
-            self.backend.free(extent)
-            raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
+        batch = None
+        if nbytes < self.config.coalesce_bytes:
+            batch = self._batch_for(t.device, staging, nbytes, st)
+        if batch is not None:
+            block = batch.carve(nbytes)
+            extent = None
+            st.coalesced_tensors += 1
+        else:
+            block = staging.alloc(nbytes)
+            if block is None:
+                return "staging_full"
+            extent = self.backend.allocate(nbytes)
+            if extent is None:
+                staging.free(block)
+                self._disk_full(st)
+                return "disk_full"
+            if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
+                staging.free(block)
+                self.backend.free(extent)
+                raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
         e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
         e.staging, e.extent, e.padded = block, extent, block.length
         self.cache.charge(block.length)
-        self._disk_in_use += extent.length
-        st.peak_disk_bytes = max(st.peak_disk_bytes, self._disk_in_use)
+        if batch is not None:
+            e.batch, e.slot_at = batch, block.offset
+            batch.members.append(e)
+        else:
+            self._count_disk(st, extent.length)
         if whole:
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             dst = block.tensor[:nbytes]
@@ -302,14 +320,22 @@ class Offloader:
         src, version = e.check
         e.check = None
         e.ticket = None
+        b = e.batch
+        if b is not None:
+            b.pending -= 1
         if e.state == DEAD:
             self._release_io_resources(e)
-            return
-        if src._version != version:
+        elif src._version != version:
             e.error = modified_error(src.shape, src.dtype, src._version, version)
             e.state = FAILED
             self._release_io_resources(e)
+        elif b is None:
+            self._write(e)
             return
+        if b is not None:
+            self._write_batch(b)  # when sealed and every member is captured
+
+    def _write(self, e: Entry) -> None:
         e.state = WRITING
         e.io_busy = True
         fut = self.backend.write(e.extent, e.staging.view, self.config.checksum)
@@ -345,12 +371,131 @@ class Offloader:
             f"write-{code}",
             f"tba: a spill write failed ({err}); keeping its tensor in memory, exact",
         )
+        self._to_memory(e)
+
+    def _to_memory(self, e: Entry) -> None:
+        """The entry's bytes move from staging to host memory for good (state MEMORY)."""
         if e.host is None:
             e.host = self._copy_out(e)
             e.from_disk = False
         self._free_staging(e)
         self._free_extent(e)
         e.state = MEMORY
+
+    def _disk_full(self, st: StepState) -> None:
+        self._disk_full_step = st.index
+        self._warn_once("disk_full", "tba: no disk space within quota; keeping in memory")
+
+    def _count_disk(self, st: StepState, nbytes: int) -> None:
+        self._disk_in_use += nbytes
+        st.peak_disk_bytes = max(st.peak_disk_bytes, self._disk_in_use)
+
+    # -- coalescing (NOTE [Coalescing] in coalesce.py) ------------------------------------------
+    def _batch_for(
+        self, device: torch.device, staging: StagingPool, nbytes: int, st: StepState
+    ) -> Batch | None:
+        """The open batch of ``device`` with room for ``nbytes`` in the current group, or None."""
+        b = self._batches.get(device)
+        group = self.groups.group
+        if b is not None and b.step == st.index and b.group == group and b.fits(nbytes):
+            return b
+        if b is not None:
+            self._seal(b)
+        block = staging.alloc(self._batch_bytes)
+        if block is None:
+            return None  # a stand-alone block may still fit
+        b = self._batches[device] = Batch(block, device, group, st.index)
+        b.staging_refs = 1  # held by the open batch until it is sealed
+        return b
+
+    def _seal_all(self) -> None:
+        for b in list(self._batches.values()):
+            self._seal(b)
+
+    def _seal(self, b: Batch) -> None:
+        if self._batches.get(b.device) is b:
+            del self._batches[b.device]
+        b.sealed = True
+        self._write_batch(b)
+        self._unref_staging(b)  # the open batch's own share
+
+    def _write_batch(self, b: Batch) -> None:
+        """One write of the batch's filled prefix, once it is sealed and fully captured."""
+        if not b.sealed or b.pending or b.writing or not b.members:
+            return
+        live = [m for m in b.members if m.state == CAPTURE]
+        b.members = []  # members refer to the batch; the batch forgets them
+        if not live:
+            return
+        st = live[0].step
+        n = b.write_length(self.align)
+        extent = self.backend.allocate(n)
+        if extent is None:
+            self._disk_full(st)
+            for m in live:
+                self._to_memory(m)
+            return
+        if n > b.fill:
+            b.block.tensor[b.fill : n].zero_()  # zero-padded tail
+        b.extent, b.extent_refs = extent, len(live)
+        self._count_disk(st, extent.length)
+        st.coalesced_writes += 1
+        for m in live:
+            m.state = WRITING
+            m.io_busy = True
+            m.extent = extent
+        b.writing = True
+        b.staging_refs += 1  # the write reads the block
+        fut = self.backend.write(extent, b.block.view[:n], self.config.checksum)
+        self._pending.add(fut)
+        fut.add_done_callback(lambda f, b=b, live=live: self._batch_written(b, live, f))
+
+    def _batch_written(self, b: Batch, members: list[Entry], fut: Future) -> None:
+        with self._lock:
+            b.writing = False
+            for m in members:
+                self._write_done(m, fut)
+            self._unref_staging(b)
+
+    def _unref_staging(self, b: Batch) -> None:
+        b.staging_refs -= 1
+        if b.staging_refs == 0 and b.block is not None:
+            _, staging = self._device(b.device)
+            staging.free(b.block)
+            b.block = None
+
+    def _start_batch_read(self, e: Entry) -> None:
+        """Join or start the whole-batch read that brings ``e`` back (lock held)."""
+        b = e.batch
+        buf = b.read_back()
+        if buf is not None:  # another member still holds the bytes: no I/O
+            self.cache.charge(e.padded)
+            e.host = b.slice_of(buf, e.slot_at, e.padded)
+            e.from_disk = True
+            e.step.bytes_reloaded += e.nbytes
+            return
+        fut = b.read_fut
+        if fut is None:
+            adapter, _ = self._device(e.device)
+            whole = adapter.host_buffer(e.extent.length, self.align)
+            fut = self.backend.read(e.extent, as_memoryview(whole), self.config.checksum, e.digest)
+            fut.tba_buffer = whole  # type: ignore[attr-defined]
+            b.read_fut, b.readers = fut, []
+            self._pending.add(fut)
+            fut.add_done_callback(lambda f, b=b: self._batch_read_done(b, f))
+        self.cache.charge(e.padded)
+        e.io_busy = True
+        e.reading = fut
+        b.readers.append(e)
+
+    def _batch_read_done(self, b: Batch, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            if b.read_fut is fut:
+                b.read_fut = None
+            readers, b.readers = b.readers, []
+            for e in readers:
+                self._read_done(e, fut)
 
     def _copy_out(self, e: Entry) -> torch.Tensor:
         adapter, _ = self._device(e.device)
@@ -439,6 +584,9 @@ class Offloader:
         self.prefetcher.pump()
 
     def _start_read(self, e: Entry) -> None:
+        if e.batch is not None:
+            self._start_batch_read(e)
+            return
         adapter, _ = self._device(e.device)
         buf = adapter.host_buffer(e.padded, self.align)
         self.cache.charge(e.padded)
@@ -457,6 +605,8 @@ class Offloader:
             e.reading = None
             e.io_busy = False
             buf = fut.tba_buffer  # type: ignore[attr-defined]
+            if e.batch is not None and fut.exception() is None:
+                buf = e.batch.slice_of(buf, e.slot_at, e.padded)
             err = fut.exception()
             if err is not None or e.state == DEAD:
                 self.cache.uncharge(e.padded)
@@ -493,16 +643,26 @@ class Offloader:
 
     def _free_staging(self, e: Entry) -> None:
         if e.staging is not None:
-            _, staging = self._device(e.device)
-            staging.free(e.staging)
+            if e.batch is not None:
+                self._unref_staging(e.batch)
+            else:
+                _, staging = self._device(e.device)
+                staging.free(e.staging)
             self.cache.uncharge(e.padded)
             e.staging = None
 
     def _free_extent(self, e: Entry) -> None:
-        if e.extent is not None:
-            self.backend.free(e.extent)
-            self._disk_in_use -= e.extent.length
-            e.extent = None
+        ext = e.extent
+        if ext is None:
+            return
+        e.extent = None
+        b = e.batch
+        if b is not None:
+            b.extent_refs -= 1
+            if b.extent_refs:
+                return  # other members' bytes are still on it
+        self.backend.free(ext)
+        self._disk_in_use -= ext.length
 
     def _drain(self) -> None:
         while True:

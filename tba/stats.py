@@ -51,6 +51,8 @@ class StepState:
         self.groups = 0
         self.kept_groups = 0
         self.packs = 0
+        self.coalesced_tensors = 0  # offloaded tensors that went into a batch (NOTE [Coalescing])
+        self.coalesced_writes = 0  # batch writes issued
         self.seen: dict[int, StorageWeakRef] = {}  # storages counted in saved_bytes
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
@@ -77,6 +79,8 @@ class StepState:
             io_errors=self.io_errors,
             groups=self.groups,
             kept_groups=self.kept_groups,
+            coalesced_tensors=self.coalesced_tensors,
+            coalesced_writes=self.coalesced_writes,
             forward_seconds=self.forward_seconds,
         )
         return out

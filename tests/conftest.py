@@ -24,12 +24,18 @@ def spill_dir(tmp_path):
     return str(tmp_path / "spill")
 
 
-@pytest.fixture
-def make_offloader(spill_dir):
-    """Build Offloaders with test-sized defaults; all are closed at teardown."""
+@pytest.fixture(params=["coalesce", "single"])
+def make_offloader(request, spill_dir):
+    """Build Offloaders with test-sized defaults; all are closed at teardown.
+
+    Every test runs twice: with small tensors coalesced into batches (the default), and with
+    coalescing off, so each small tensor takes the stand-alone path (its own block and extent).
+    """
     made: list[tba.Offloader] = []
 
     def make(**kw) -> tba.Offloader:
+        if request.param == "single":
+            kw.setdefault("coalesce_bytes", 0)
         kw.setdefault("spill_dir", spill_dir)
         kw.setdefault("min_offload_bytes", 1)
         kw.setdefault("staging_bytes", "32MiB")
