@@ -5,6 +5,10 @@ W1: 6 pre-LN causal transformer blocks, H=512, 8 heads, MLP 4H with GELU, S=512,
 turn), since disk and CPU speed drift over minutes; the figures are medians over the repeats.
 
     python benchmarks/bench_step.py [--repeats 5] [--spill-dir /var/tmp] [--json out.json]
+    python benchmarks/bench_step.py --backends native,posix   # one tba mode per backend
+
+With ``--backends``, each named backend gets its own Offloader and its own interleaved mode
+(``tba:native``, ``tba:posix``), and the report adds their ratio.
 """
 
 from __future__ import annotations
@@ -26,22 +30,20 @@ from _machine import machine_line  # noqa: E402
 import tba  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 
-MODES = ("none", "tba", "checkpoint")
-
 
 def one_step(model, batch, mode, off):
     """Forward and backward once; returns (seconds, tba stats or None)."""
     model.zero_grad(set_to_none=True)
     model.checkpoint_blocks = mode == "checkpoint"
     t0 = time.perf_counter()
-    if mode == "tba":
+    if mode.startswith("tba"):
         with off.step(model):
             loss = model(*batch)
     else:
         loss = model(*batch)
     loss.backward()
     dt = time.perf_counter() - t0
-    return dt, (off.stats() if mode == "tba" else None), loss.item()
+    return dt, (off.stats() if mode.startswith("tba") else None), loss.item()
 
 
 def main(argv=None) -> int:
@@ -51,66 +53,92 @@ def main(argv=None) -> int:
     ap.add_argument("--spill-dir", default="/var/tmp", help="root of the spill dir (local disk)")
     ap.add_argument("--batch", type=int, default=W1_MICRO_BATCH)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--backends", default="", help="e.g. native,posix: one tba mode per backend")
     args = ap.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    tba_modes = [f"tba:{b}" for b in backends] or ["tba"]
+    modes = ["none", *tba_modes, "checkpoint"]
 
     torch.manual_seed(0)
     model = GPT(W1)
     batch = random_batch(W1, args.batch)
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
-    off = tba.Offloader(tba.Config(spill_dir=spill))
-    times = {m: [] for m in MODES}
-    stats = []
-    losses = {m: set() for m in MODES}
+    offs = {
+        m: tba.Offloader(tba.Config(spill_dir=spill, **({"backend": b} if b else {})))
+        for m, b in zip(tba_modes, backends or [None])
+    }
+    times = {m: [] for m in modes}
+    stats: dict[str, list] = {m: [] for m in tba_modes}
+    losses = {m: set() for m in modes}
     try:
         for r in range(args.warmup + args.repeats):
-            for mode in MODES:
-                dt, st, loss = one_step(model, batch, mode, off)
+            for mode in modes:
+                dt, st, loss = one_step(model, batch, mode, offs.get(mode))
                 losses[mode].add(loss)
                 if r >= args.warmup:
                     times[mode].append(dt)
                 if st is not None:
-                    stats.append(st)
-                print(f"  round {r} {mode:<10} {dt:7.3f} s", flush=True)
+                    stats[mode].append(st)
+                print(f"  round {r} {mode:<12} {dt:7.3f} s", flush=True)
     finally:
-        off.close()
+        for off in offs.values():
+            off.close()
         os.rmdir(spill)
 
     med = {m: statistics.median(v) for m, v in times.items()}
-    last = stats[-1]
+    first = tba_modes[0]
+    st_all = stats[first]
+    last = st_all[-1]
+    later = st_all[1:] or st_all  # steps after the first (which has no prefetch plan yet)
     res = {
         "workload": f"W1 micro-batch {args.batch}",
         "median_seconds": med,
-        "tba_over_none": med["tba"] / med["none"],
+        "tba_over_none": med[first] / med["none"],
         "checkpoint_over_none": med["checkpoint"] / med["none"],
-        "tba_over_checkpoint": med["tba"] / med["checkpoint"],
+        "tba_over_checkpoint": med[first] / med["checkpoint"],
         "saved_bytes": last["saved_bytes"],
-        "peak_resident_bytes": max(s["peak_resident_bytes"] for s in stats[1:]),
-        "sync_loads_after_step_1": max(s["sync_loads"] for s in stats[1:]),
-        "stall_seconds_median": statistics.median(s["stall_seconds"] for s in stats[1:]),
+        "peak_resident_bytes": max(s["peak_resident_bytes"] for s in later),
+        "sync_loads_after_step_1": max(s["sync_loads"] for s in later),
+        "stall_seconds_median": statistics.median(s["stall_seconds"] for s in later),
         "bytes_offloaded": last["bytes_offloaded"],
         "bytes_reloaded": last["bytes_reloaded"],
-        "backend": last["backend"],
-        "losses_identical": len(losses["none"] | losses["tba"]) == 1,
+        "backend": {m: stats[m][-1]["backend"] for m in tba_modes},
+        "backend_reason": {m: stats[m][-1]["backend_reason"] for m in tba_modes},
+        "losses_identical": len(set().union(*(losses[m] for m in ["none", *tba_modes]))) == 1,
         "machine": machine_line(args.spill_dir),
-        "config": {k: v for k, v in off.config.as_dict().items() if k != "spill_dir"},
+        "config": {
+            k: v for k, v in offs[first].config.as_dict().items() if k not in ("spill_dir",)
+        },
     }
     res["peak_over_saved"] = res["peak_resident_bytes"] / res["saved_bytes"]
-    paired = [t / n for t, n in zip(times["tba"], times["none"])]
+    paired = [t / n for t, n in zip(times[first], times["none"])]
     res["tba_over_none_paired"] = statistics.median(paired)
     res["tba_over_none_range"] = (min(paired), max(paired))
+    if len(tba_modes) == 2:
+        a, b = tba_modes
+        res["backend_ratio"] = {
+            "modes": f"{a} / {b}",
+            "median": med[a] / med[b],
+            "paired": statistics.median(x / y for x, y in zip(times[a], times[b])),
+        }
 
     print()
     print(res["machine"])
-    print(f"{res['workload']}, {args.repeats} interleaved repeats, backend {res['backend']}")
-    print(f"{'mode':<12}{'median step (s)':>16}{'vs none':>10}")
-    for m in MODES:
-        print(f"{m:<12}{med[m]:>16.3f}{med[m] / med['none']:>10.3f}")
+    print(f"{res['workload']}, {args.repeats} interleaved repeats")
+    for m in tba_modes:
+        print(f"  {m}: {res['backend_reason'][m]}")
+    print(f"{'mode':<14}{'median step (s)':>16}{'vs none':>10}")
+    for m in modes:
+        print(f"{m:<14}{med[m]:>16.3f}{med[m] / med['none']:>10.3f}")
     lo, hi = res["tba_over_none_range"]
     print(
-        f"tba / none, per-round pairs:     median {res['tba_over_none_paired']:.3f} "
+        f"{first} / none, per-round pairs: median {res['tba_over_none_paired']:.3f} "
         f"(range {lo:.3f} to {hi:.3f})"
     )
-    print(f"tba / checkpoint step time:      {res['tba_over_checkpoint']:.3f}")
+    if "backend_ratio" in res:
+        r = res["backend_ratio"]
+        print(f"{r['modes']} step time:  median {r['median']:.3f}, paired {r['paired']:.3f}")
+    print(f"{first} / checkpoint step time:   {res['tba_over_checkpoint']:.3f}")
     print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident / saved:           {res['peak_over_saved']:.3f}")
