@@ -14,7 +14,7 @@ TORCH ?= torch==2.13.0
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.base: pyproject.toml | $(PY)
+$(VENV)/.base: pyproject.toml setup.py $(wildcard native/*) | $(PY)
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e .
 	touch $@
@@ -38,4 +38,4 @@ bench: $(VENV)/.base
 	$(PY) benchmarks/bench_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache tba/_engine*.so
