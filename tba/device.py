@@ -4,8 +4,9 @@ An adapter moves bytes between a saved tensor's device and aligned host memory:
 
 - ``capture(dst, src)`` copies a saved tensor (or its storage bytes) into a staging view and
   returns a :class:`Ticket`; the bytes may be written to disk only after ``ticket.wait()``.
-- ``host_buffer(n)`` allocates the aligned host memory a read lands in.
-- ``to_device(host, device)`` returns a device-side uint8 tensor holding the host bytes, ordered
+- ``host_buffer(n)`` allocates the aligned memory a read lands in (host memory, or device memory
+  in device-direct mode).
+- ``to_device(host, device)`` returns a device-side uint8 tensor holding the read bytes, ordered
   so that the *current* stream may use it at once.
 
 The CPU adapter is synchronous and zero-copy on the read side. The CUDA adapter follows the
@@ -18,10 +19,31 @@ with fakes (``tests/test_device.py``) and for real by ``gpu``-marked tests.
 2. The source tensor is referenced by the ticket until the copy's completion event has fired, so
    the caching allocator cannot hand its memory to another tensor while the copy reads it.
 3. The staging bytes are written to disk only after the copy's event completed (``Ticket.wait``).
+   That event is created with ``blocking=True``, so the waiting thread sleeps instead of
+   spinning a core.
 4. Read-back: the device buffer is allocated on the consumer (current) stream; the side stream
    first waits for the consumer's pending work (the allocator may reuse memory freed there),
    then copies H2D; the consumer stream waits on the copy's event before any kernel reads it.
-   The pinned source is kept alive until that event completes.
+   The pinned source is kept alive until that event completes (pruned at later captures and
+   read-backs).
+
+Device-direct mode (``direct=True``, for GPUDirect Storage): the staging arena and the read
+buffers are device memory. cuFile moves bytes between them and the drive by DMA, and that DMA is
+ordered on no CUDA stream (before a transfer, kvikio synchronizes only the legacy default
+stream). Therefore:
+
+5. Capture is a D2D copy on the side stream under rules 1-3. The GDS write may start only after
+   ``Ticket.wait``: the event is the only thing that orders the copy before the DMA.
+6. A read buffer is allocated under the side stream, and the host then waits for the side stream
+   up to that point. If the allocator recycled memory from a side-stream temporary (a copy's
+   contiguous source), no queued copy still touches it when the DMA lands. The side stream only
+   carries copies, so the wait is short.
+7. A GDS read has completed when its future resolves: cuFileRead returns after its DMA, and
+   kvikio's POSIX fallback synchronizes its own bounce copy. So ``to_device`` returns the buffer
+   itself, with no copy and no event: any kernel queued later sees the bytes. It calls
+   ``record_stream(consumer)``, so that once the buffer is freed the allocator does not give the
+   block to a later read (whose DMA would overwrite it) before the consumer's kernels queued
+   ahead of the free have finished.
 """
 
 from __future__ import annotations
@@ -32,6 +54,13 @@ from typing import Any, Protocol
 import torch
 
 from ._memory import aligned_empty
+
+
+def _device_empty(nbytes: int, align: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on ``device`` whose address is a multiple of ``align``."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
+    start = (-raw.data_ptr()) % align
+    return raw[start : start + nbytes]
 
 
 class Ticket:
@@ -105,39 +134,65 @@ class _CudaTicket(Ticket):
 class CudaAdapter:
     """D2H on a side stream into pinned staging; H2D ordered before the consumer's kernels.
 
+    With ``direct=True`` (GDS) staging and read buffers live on the device instead: captures are
+    D2D copies and read-backs need no copy (NOTE [CUDA ordering] 5-7).
+
     ``cuda`` is the ``torch.cuda`` module, or a fake with the same few names in tests; ``copy``
-    performs ``dst.copy_(src, non_blocking=True)`` under the active stream.
+    performs ``dst.copy_(src, non_blocking=True)`` under the active stream, and
+    ``record_stream`` performs ``tensor.record_stream(stream)``.
     """
 
-    name = "cuda"
-
-    def __init__(self, device: torch.device, cuda: Any = None, copy: Any = None, pin=True):
+    def __init__(
+        self,
+        device: torch.device,
+        cuda: Any = None,
+        copy: Any = None,
+        pin=True,
+        direct: bool = False,
+        record_stream: Any = None,
+    ):
         self.cuda = torch.cuda if cuda is None else cuda
         self.pin = pin
+        self.direct = direct
+        self.name = "cuda-direct" if direct else "cuda"
         self.device = device
         self.side = self.cuda.Stream(device=device)
         self._copy = copy or (lambda dst, src: dst.copy_(src, non_blocking=True))
+        self._record_stream = record_stream or (lambda t, stream: t.record_stream(stream))
         self._inflight: list[tuple[Any, torch.Tensor]] = []  # (event, pinned source) of H2D
         self._lock = threading.Lock()
 
     def staging_arena(self, nbytes: int, align: int) -> torch.Tensor:
+        if self.direct:
+            return _device_empty(nbytes, align, self.device)
         return aligned_empty(nbytes, align, pin=self.pin)
 
     def host_buffer(self, nbytes: int, align: int) -> torch.Tensor:
-        return aligned_empty(nbytes, align, pin=self.pin)
+        if not self.direct:
+            return aligned_empty(nbytes, align, pin=self.pin)
+        with self.cuda.stream(self.side):  # rule 6
+            buf = _device_empty(nbytes, align, self.device)
+            ready = self.cuda.Event(blocking=True)
+            ready.record(self.side)
+        ready.synchronize()
+        return buf
 
     def capture(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        self._prune()
         produced = self.cuda.Event()
         produced.record(self.cuda.current_stream(self.device))  # rule 1
         self.side.wait_event(produced)
         with self.cuda.stream(self.side):
-            self._copy(dst, src)
-            copied = self.cuda.Event()
+            self._copy(dst, src)  # D2H into pinned staging, or D2D in direct mode (rule 5)
+            copied = self.cuda.Event(blocking=True)  # a host thread waits on it (rule 3)
             copied.record(self.side)
         return _CudaTicket(copied, src)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         consumer = self.cuda.current_stream(device)
+        if self.direct:
+            self._record_stream(host, consumer)  # rule 7: the bytes are already there
+            return host
         out = torch.empty(host.shape, dtype=host.dtype, device=device)  # on the consumer stream
         self.side.wait_stream(consumer)  # rule 4: memory may be reused from consumer-side frees
         with self.cuda.stream(self.side):
@@ -147,14 +202,20 @@ class CudaAdapter:
         # The consumer waits before anything else it runs, so a later free of ``out`` on the
         # consumer stream is ordered after the copy: no record_stream is needed.
         consumer.wait_event(copied)
+        self._prune()
         with self._lock:
-            self._inflight = [(e, h) for e, h in self._inflight if not e.query()]
             self._inflight.append((copied, host))  # rule 4: pinned source outlives the copy
         return out
 
+    def _prune(self) -> None:
+        """Drop the pinned sources whose H2D copies have completed."""
+        with self._lock:
+            if self._inflight:
+                self._inflight = [(e, h) for e, h in self._inflight if not e.query()]
 
-def adapter_for(device: torch.device) -> DeviceAdapter:
-    """The adapter for tensors on ``device``."""
+
+def adapter_for(device: torch.device, direct: bool = False) -> DeviceAdapter:
+    """The adapter for tensors on ``device``; ``direct`` keeps CUDA staging on the device (GDS)."""
     if device.type == "cuda":
-        return CudaAdapter(device)
+        return CudaAdapter(device, direct=direct)
     return CpuAdapter()

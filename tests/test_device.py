@@ -4,18 +4,27 @@ The fake queues every copy on its stream and runs it only when something synchro
 event's ``synchronize``/``query`` runs its stream up to the event, and a stream's
 ``synchronize`` first runs whatever it waits on. So a missing event, wait or reference makes the
 bytes stale and the test fails, as it would on a GPU.
+
+Device-direct mode (GDS) is run with ``device=cpu``: "device memory" is then host memory, so the
+tests check where it is allocated (under which stream, through which helper) and that no host
+staging or H2D copy is made. The ``gpu``-marked tests at the end run both modes for real.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 
+import tba.device as device_mod
+from tba.config import Config
 from tba.device import CpuAdapter, CudaAdapter, adapter_for
 from tba.staging import StagingPool
+from tba.storage.memory import MemoryBackend
 
 
 class FakeStream:
@@ -30,6 +39,7 @@ class FakeStream:
         with self.cuda.lock:
             while self.done < n:
                 op = self.ops[self.done]
+                self.ops[self.done] = None  # finished work holds no tensors, as on a GPU
                 self.done += 1
                 op()
 
@@ -53,12 +63,14 @@ class FakeStream:
 class FakeEvent:
     count = 0
 
-    def __init__(self, cuda):
+    def __init__(self, cuda, blocking=False):
         FakeEvent.count += 1
         self.id = FakeEvent.count
         self.cuda = cuda
+        self.blocking = blocking
         self.stream = None
         self.pos = 0
+        self.synced = False
 
     def record(self, stream):
         self.stream, self.pos = stream, len(stream.ops)
@@ -68,6 +80,7 @@ class FakeEvent:
         return self.stream is not None and self.stream.done >= self.pos
 
     def synchronize(self):
+        self.synced = True
         if self.stream is not None:
             self.stream.run_to(self.pos)
 
@@ -81,14 +94,18 @@ class FakeCuda:
         self.default = FakeStream(self, "default")
         self.active = self.default
         self.created: list[FakeStream] = []
+        self.events: list[FakeEvent] = []
+        self.recorded_streams: list = []  # (tensor, stream) given to record_stream
 
     def Stream(self, device=None):  # noqa: N802 - mirrors torch.cuda.Stream
         s = FakeStream(self, f"side{len(self.created)}")
         self.created.append(s)
         return s
 
-    def Event(self):  # noqa: N802
-        return FakeEvent(self)
+    def Event(self, blocking=False):  # noqa: N802
+        event = FakeEvent(self, blocking)
+        self.events.append(event)
+        return event
 
     def current_stream(self, device=None):
         return self.default
@@ -104,6 +121,10 @@ class FakeCuda:
     def copy(self, dst, src):
         # Reads the source when the stream runs, not now: a late read sees later changes.
         self.active.enqueue(lambda: dst.copy_(src))
+
+    def record_stream(self, tensor, stream):
+        self.log.append(("record_stream", stream.name))
+        self.recorded_streams.append((tensor, stream))
 
 
 @pytest.fixture
@@ -212,6 +233,167 @@ def test_inplace_before_capture_is_an_error(make_offloader, fake):
         CudaAdapter.capture = real_wait
 
 
+def test_producer_event_is_recorded_before_the_copy_and_waited_on(adapter, fake):
+    adapter.capture(torch.zeros(4), torch.ones(4))
+    produced = fake.events[0]
+    record = fake.log.index(("record", "default", produced.id))
+    wait = fake.log.index(("wait_event", "side0", produced.id))
+    copy = max(i for i, e in enumerate(fake.log) if e == ("op", "side0"))
+    assert record < wait < copy  # the side stream runs the copy only after the producer's work
+    assert produced.stream is fake.default
+
+
+def test_copy_event_blocks_instead_of_spinning(adapter, fake):
+    ticket = adapter.capture(torch.zeros(4), torch.ones(4))
+    assert ticket.event.blocking and ticket.event.stream is adapter.side
+
+
+def test_source_is_not_released_before_the_copys_event(adapter, fake):
+    src = torch.arange(1024, dtype=torch.float32)
+    want = src.clone()
+    ref = weakref.ref(src)
+    dst = torch.zeros(1024)
+    ticket = adapter.capture(dst, src)
+    del src
+    gc.collect()
+    assert ref() is not None  # the allocator cannot hand the memory out: the copy has not run
+    assert not ticket.done() and ref() is not None  # polling keeps it too
+    adapter.side.run_to(ticket.event.pos)  # the copy's event fires
+    assert ticket.done()
+    gc.collect()
+    assert ref() is None  # released only now
+    assert torch.equal(dst, want)
+
+
+def test_consumer_waits_on_the_h2d_copys_event(adapter, fake):
+    host = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    out = adapter.to_device(host, torch.device("cpu"))
+    copied = fake.events[-1]
+    assert copied.stream is adapter.side
+    copy = max(i for i, e in enumerate(fake.log) if e == ("op", "side0"))
+    assert fake.log.index(("record", "side0", copied.id)) > copy  # recorded after the copy
+    assert ("wait_event", "default", copied.id) in fake.log
+    # The consumer's queue waits on that event before anything enqueued later.
+    fake.default.enqueue(lambda: None)  # the next kernel
+    fake.default.synchronize()
+    assert torch.equal(out, host)
+
+
+def test_two_captures_in_flight_in_two_staging_blocks(fake):
+    """The first capture is written while the second copy is still queued on the side stream."""
+    adapter = CudaAdapter(torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False)
+    arena = adapter.staging_arena(1 << 20, 4096)
+    arena.zero_()
+    pool = StagingPool(arena, 4096)
+    a, b = pool.alloc(65536), pool.alloc(65536)
+    assert a.offset != b.offset
+    src_a = torch.randint(0, 256, (65536,), dtype=torch.uint8)
+    src_b = torch.randint(0, 256, (65536,), dtype=torch.uint8)
+    want_a, want_b = src_a.clone(), src_b.clone()
+    t_a = adapter.capture(a.tensor, src_a)
+    t_b = adapter.capture(b.tensor, src_b)
+    t_a.wait()  # the writer thread waits for the first copy only
+    assert torch.equal(a.tensor, want_a)
+    assert not t_b.done() and not torch.any(b.tensor)  # the second copy is still queued
+    backend = MemoryBackend(Config(environ={}, backend="memory"))
+    ext = backend.allocate(65536)
+    written = backend.write(ext, a.view)  # the first block goes to "disk" now
+    src_a.add_(1)  # the first source may be reused: its bytes are already final
+    written.result()
+    back = bytearray(65536)
+    backend.read(ext, memoryview(back)).result()
+    assert bytes(back) == want_a.numpy().tobytes()
+    t_b.wait()
+    assert torch.equal(b.tensor, want_b)
+    backend.close()
+
+
+def test_finished_h2d_sources_are_dropped_at_the_next_capture(adapter, fake):
+    host = torch.ones(4096, dtype=torch.uint8)
+    adapter.to_device(host, torch.device("cpu"))
+    assert adapter._inflight[-1][1] is host
+    fake.default.synchronize()  # the copy ran
+    adapter.capture(torch.zeros(4), torch.ones(4))
+    assert adapter._inflight == []
+
+
+@pytest.fixture
+def direct(fake):
+    return CudaAdapter(
+        torch.device("cpu"),
+        cuda=fake,
+        copy=fake.copy,
+        pin=False,
+        direct=True,
+        record_stream=fake.record_stream,
+    )
+
+
+@pytest.fixture
+def no_host_staging(monkeypatch, fake):
+    """Fail on any host staging allocation; record where device buffers are made."""
+
+    def host_alloc(*a, **kw):
+        raise AssertionError("direct mode made a host staging buffer")
+
+    made = []
+    real = device_mod._device_empty
+
+    def device_alloc(nbytes, align, device):
+        made.append((nbytes, align, device, fake.active.name))
+        return real(nbytes, align, device)
+
+    monkeypatch.setattr(device_mod, "aligned_empty", host_alloc)
+    monkeypatch.setattr(device_mod, "_device_empty", device_alloc)
+    return made
+
+
+def test_direct_mode_allocates_on_the_device(direct, fake, no_host_staging):
+    assert direct.name == "cuda-direct" and direct.direct
+    arena = direct.staging_arena(1 << 20, 4096)
+    assert arena.device == direct.device and arena.dtype == torch.uint8
+    assert arena.numel() == 1 << 20 and arena.data_ptr() % 4096 == 0
+    buf = direct.host_buffer(8192, 4096)
+    assert buf.device == direct.device and buf.data_ptr() % 4096 == 0
+    assert no_host_staging == [
+        (1 << 20, 4096, direct.device, "default"),
+        (8192, 4096, direct.device, "side0"),
+    ]
+    # The read buffer was made under the side stream, and the host waited for it (rule 6).
+    ready = fake.events[-1]
+    assert ready.stream is direct.side and ready.blocking and ready.synced
+
+
+def test_direct_capture_is_an_ordered_device_copy(direct, fake, no_host_staging):
+    arena = direct.staging_arena(1 << 20, 4096)
+    src = torch.randn(4096)
+    want = src.clone()
+    dst = arena[: 4096 * 4].view(torch.float32)
+    ticket = direct.capture(dst, src)
+    kinds = [entry[0] for entry in fake.log]
+    assert kinds == ["record", "wait_event", "op", "op", "record"]  # same rules as staged
+    assert not ticket.done() and ticket.source is src
+    src.mul_(0)  # would show up if the copy ran late without the event
+    src.copy_(want)
+    ticket.wait()  # the GDS write may start only now
+    assert torch.equal(dst, want) and ticket.source is None
+
+
+def test_direct_read_back_is_the_buffer_itself(direct, fake, no_host_staging):
+    buf = direct.host_buffer(8192, 4096)
+    buf.copy_(torch.randint(0, 256, (8192,), dtype=torch.uint8))  # "the GDS read landed"
+    before = len(fake.log)
+    out = direct.to_device(buf, torch.device("cpu"))
+    assert out is buf  # no H2D copy, no host round trip
+    assert fake.log[before:] == [("record_stream", "default")]  # only the allocator is told
+    assert fake.recorded_streams == [(buf, fake.default)]
+    assert direct._inflight == []
+
+
+def test_adapter_for_ignores_direct_on_the_cpu():
+    assert isinstance(adapter_for(torch.device("cpu"), direct=True), CpuAdapter)
+
+
 def test_cpu_adapter_is_synchronous_and_zero_copy():
     a = CpuAdapter()
     src = torch.randn(10)
@@ -236,3 +418,31 @@ def test_real_cuda_round_trip(make_offloader):
     loss.backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
     assert off.stats()["tensors_offloaded"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_real_cuda_adapter_round_trip(direct):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    adapter = adapter_for(dev, direct=direct)
+    assert isinstance(adapter, CudaAdapter) and adapter.direct is direct
+    arena = adapter.staging_arena(8 << 20, 4096)
+    assert arena.data_ptr() % 4096 == 0
+    assert arena.device.type == ("cuda" if direct else "cpu")
+    if not direct:
+        assert arena.is_pinned()
+    n = 1 << 20
+    x = torch.randn(n, device=dev)
+    src = x * 3  # produced by a kernel on the current stream just before the capture
+    want = src.clone()
+    dst = arena[: n * 4].view(torch.float32)
+    ticket = adapter.capture(dst, src)
+    del src  # the ticket keeps it alive until the copy is done
+    ticket.wait()
+    assert torch.equal(dst.to(dev), want)
+    landing = adapter.host_buffer(n * 4, 4096)
+    landing.copy_(arena[: n * 4])  # stands in for the read from disk
+    torch.cuda.synchronize()
+    out = adapter.to_device(landing, dev)
+    assert out.device.type == "cuda"
+    assert torch.equal(out.view(torch.float32) * 1, want)  # a kernel on the consumer stream
