@@ -682,8 +682,14 @@ class Offloader:
     def _device(self, device: torch.device) -> tuple[DeviceAdapter, StagingPool]:
         got = self._adapters.get(device)
         if got is None:
-            adapter = CpuAdapter() if device.type == "cpu" else adapter_for(device)
+            if device.type == "cpu":
+                adapter: DeviceAdapter = CpuAdapter()
+            else:  # device memory straight to disk when the backend can (kvikio with GDS)
+                adapter = adapter_for(device, direct=getattr(self.backend, "device_direct", False))
             arena = adapter.staging_arena(self.config.staging_bytes, self.align)
+            register = getattr(self.backend, "register", None)
+            if register is not None:
+                register(arena)  # long-lived: the engine may pin/map it once (False: it cannot)
             got = self._adapters[device] = (adapter, StagingPool(arena, self.align))
         return got
 

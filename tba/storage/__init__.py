@@ -35,8 +35,8 @@ _FILE_BACKENDS: dict[str, type[SlabBackend]] = {
     "posix": PosixBackend,
     "buffered": BufferedBackend,
 }
-_AUTO_ORDER = ("posix", "buffered")
-_NOT_BUILT = ("native", "kvikio")
+# "auto" tries these in order; kvikio only for a CUDA host with GDS, native only with a ring.
+_AUTO_ORDER = ("kvikio", "native", "posix", "buffered")
 
 # (backend name, reason) pairs already logged by this process: log the choice once.
 _logged: set[tuple[str, str]] = set()
@@ -63,19 +63,44 @@ def _probe_failure(exc: BaseException) -> str:
     return str(exc).removeprefix("tba.storage: ")
 
 
+def _construct(name: str, cfg: Config, auto: bool) -> SlabBackend:
+    """Build and probe backend ``name``; raises OSError/StorageError (or a subclass) if unusable."""
+    if name == "native":
+        from .native import NativeBackend
+
+        # Under "auto" the native engine must have a working io_uring: its thread-pool mode
+        # brings nothing over posix, so auto falls back to posix instead (and says why).
+        return NativeBackend(cfg, require_ring=auto)
+    if name == "kvikio":
+        from .kvikio import KvikioBackend
+
+        return KvikioBackend(cfg)
+    return _FILE_BACKENDS[name](cfg)
+
+
+def _kvikio_skip() -> str | None:
+    """Why "auto" does not even try kvikio here (no CUDA, no kvikio, no GDS), else None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from .kvikio import kvikio_status
+
+    st = kvikio_status()
+    if not st["importable"] or not st["gds_available"]:
+        return st["reason"]
+    return None
+
+
 def open_backend(cfg: Config) -> Backend:
     """The backend ``cfg.backend`` names, probed, with ``reason`` saying why it was chosen.
 
-    "auto" tries posix (O_DIRECT), then buffered, and raises :class:`ConfigError` listing each
-    probe's failure when none works. A named backend whose probe fails raises ConfigError too.
-    Spill-directory problems (a symlink, no permission) raise ConfigError at once.
+    "auto" tries kvikio (CUDA host with GPUDirect Storage), the native io_uring engine, posix
+    (O_DIRECT threads), then buffered, and raises :class:`ConfigError` listing each probe's
+    failure when none works. A named backend whose probe fails raises ConfigError with the
+    probe's reason. Spill-directory problems (a symlink, no permission) raise ConfigError at once.
     """
     name = cfg.backend
-    if name in _NOT_BUILT:
-        raise ConfigError(
-            f"TBA_BACKEND={name} is not available in this build yet. Use TBA_BACKEND=posix "
-            "(O_DIRECT with a thread pool) or TBA_BACKEND=auto."
-        )
     checksum_fn(cfg.checksum)  # raises ConfigError naming the missing package
     if name == "memory":
         mem = MemoryBackend(cfg)
@@ -83,30 +108,38 @@ def open_backend(cfg: Config) -> Backend:
         _announce(mem)
         return mem
     backend: SlabBackend
-    if name in _FILE_BACKENDS:
+    if name != "auto":
         try:
-            backend = _FILE_BACKENDS[name](cfg)
+            backend = _construct(name, cfg, auto=False)
         except (StorageError, OSError) as e:
             raise ConfigError(
                 f"TBA_BACKEND={name} was requested but its probe failed: {_probe_failure(e)} "
-                "Use TBA_BACKEND=auto to take the first backend that works on this filesystem, "
+                "Use TBA_BACKEND=auto to take the first backend that works on this host, "
                 "or point TBA_SPILL_DIR at a local disk."
             ) from e
         backend.reason = f"TBA_BACKEND={name}: {backend.probe_summary()}"
         _announce(backend)
         return backend
-    if name != "auto":  # pragma: no cover - Config already rejects unknown names
-        raise ConfigError(f"TBA_BACKEND={name!r} is not a known backend.")
     failures: list[str] = []
     for candidate in _AUTO_ORDER:
+        if candidate == "kvikio":
+            skip = _kvikio_skip()
+            if skip:
+                failures.append(f"kvikio skipped ({skip.rstrip('.')})")
+                continue
         try:
-            backend = _FILE_BACKENDS[candidate](cfg)
+            backend = _construct(candidate, cfg, auto=True)
         except (StorageError, OSError) as e:
             failures.append(f"{candidate} probe failed ({_probe_failure(e).rstrip('.')})")
             log.debug("tba.storage: %s probe failed: %s", candidate, e)
             continue
-        why = "".join(f"{f}; " for f in failures)
+        # kvikio is skipped on every CPU host: only later failures are worth the line.
+        why = "".join(f"{f}; " for f in failures if not f.startswith("kvikio"))
         backend.reason = f"auto: {why}{backend.probe_summary()}"
+        native = [f for f in failures if f.startswith("native")]
+        if native and ("native-fallback", native[0]) not in _logged:
+            _logged.add(("native-fallback", native[0]))
+            log.warning("tba.storage: %s; using the %s backend instead", native[0], backend.name)
         _announce(backend)
         return backend
     raise ConfigError(

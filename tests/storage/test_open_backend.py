@@ -9,12 +9,15 @@ import os
 import tempfile
 
 import pytest
-from storage_util import empty, filled
+from storage_util import assert_round_trip, empty, filled
 
 from tba.config import Config
 from tba.errors import ConfigError
 from tba.storage import BufferedBackend, MemoryBackend, PosixBackend, open_backend
 from tba.storage.checksum import checksum_fn
+from tba.storage.native import engine_status
+
+needs_engine = pytest.mark.skipif(not engine_status()["built"], reason="native engine not built")
 
 
 def no_o_direct_at_open(monkeypatch):
@@ -41,30 +44,96 @@ def no_o_direct_at_write(monkeypatch):
     monkeypatch.setattr(os, "pwrite", fake)
 
 
-def test_auto_takes_posix_on_a_disk(make_cfg):
+def no_native(monkeypatch):
+    """The native engine cannot create its ring here, as under Docker's seccomp profile."""
+    import tba.storage.native as native
+
+    real = native.NativeBackend
+
+    class Blocked(real):
+        def __init__(self, cfg, *, require_ring=False, _setup_errno=None):
+            super().__init__(cfg, require_ring=require_ring, _setup_errno=errno.EPERM)
+
+    monkeypatch.setattr(native, "NativeBackend", Blocked)
+
+
+@needs_engine
+def test_auto_takes_native_on_a_disk(make_cfg):
     with open_backend(make_cfg(backend="auto")) as b:
-        assert isinstance(b, PosixBackend)
-        assert b.name == "posix"
-        assert b.reason.startswith("auto: O_DIRECT write+read probe passed on ")
-        assert f" at {make_cfg().spill_dir} (dio align " in b.reason
-        assert b.reason.endswith(f", using {b.alignment})")
+        assert b.name == "native" and b.kind == "io_uring"
+        assert b.reason.startswith("auto: io_uring engine, depth 32, ")
+        assert "kvikio" not in b.reason  # skipping kvikio on a CPU host is not news
+        assert f"O_DIRECT write+read probe passed on {b.fs} at {make_cfg().spill_dir}" in b.reason
+
+
+def test_auto_takes_posix_without_io_uring_and_says_why_once(make_cfg, monkeypatch, caplog):
+    import tba.storage as storage
+
+    no_native(monkeypatch)
+    storage._logged.clear()
+    caplog.set_level(logging.INFO, logger="tba.storage")
+    for _ in range(2):
+        with open_backend(make_cfg(backend="auto")) as b:
+            assert isinstance(b, PosixBackend)
+            assert b.reason.startswith("auto: native probe failed (")
+            assert "EPERM" in b.reason
+            assert "); O_DIRECT write+read probe passed on " in b.reason
+            assert f" at {make_cfg().spill_dir} (dio align " in b.reason
+            assert b.reason.endswith(f", using {b.alignment})")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert "native probe failed" in warned[0].getMessage()
+    assert "using the posix backend instead" in warned[0].getMessage()
+
+
+@needs_engine
+def test_forced_native_without_io_uring_runs_its_threads(make_cfg, monkeypatch):
+    no_native(monkeypatch)
+    with open_backend(make_cfg(backend="native")) as b:
+        assert b.name == "native" and b.kind == "threads"
+        assert b.reason.startswith("TBA_BACKEND=native: ")
+        assert "EPERM" in b.reason
+        assert_round_trip(b, 10_000)
+
+
+def test_forced_native_without_the_library_is_a_config_error(make_cfg, monkeypatch):
+    import tba.storage.native as native
+
+    def missing(cfg, **kw):
+        raise native.NativeUnavailable(errno.ENOENT, "tba.storage: the native engine is not built")
+
+    monkeypatch.setattr(native, "NativeBackend", missing)
+    with pytest.raises(
+        ConfigError,
+        match=r"TBA_BACKEND=native was requested but its probe failed: the native engine is not "
+        r"built",
+    ):
+        open_backend(make_cfg(backend="native"))
+
+
+def test_forced_kvikio_without_kvikio_is_a_config_error(make_cfg, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "kvikio", None)
+    with pytest.raises(
+        ConfigError,
+        match=r"TBA_BACKEND=kvikio was requested but its probe failed: kvikio is not installed "
+        r"\(pip install 'tba\[gds\]'\)",
+    ):
+        open_backend(make_cfg(backend="kvikio"))
+    assert not os.path.exists(make_cfg().spill_dir)
 
 
 @pytest.mark.parametrize("inject", [no_o_direct_at_open, no_o_direct_at_write])
 def test_auto_falls_back_to_buffered_without_o_direct(make_cfg, monkeypatch, inject):
     inject(monkeypatch)
+    no_native(monkeypatch)  # the engine's writes do not go through os.pwrite
     with open_backend(make_cfg(backend="auto")) as b:
         assert isinstance(b, BufferedBackend)
-        assert b.reason.startswith("auto: posix probe failed (")
+        assert b.reason.startswith("auto: native probe failed (")
+        assert "); posix probe failed (" in b.reason
         assert "EINVAL (Invalid argument). The filesystem may refuse O_DIRECT" in b.reason
         assert "); buffered write+read probe passed on " in b.reason
         assert "fdatasync+DONTNEED every 128 MiB" in b.reason
-        ext = b.allocate(10_000)
-        data = filled(ext.length)
-        b.write(ext, data).result()
-        back = empty(ext.length)
-        b.read(ext, back).result()
-        assert back == data
+        assert_round_trip(b, 10_000)
     assert os.listdir(make_cfg().spill_dir) == []
 
 
@@ -108,20 +177,12 @@ def test_auto_with_nothing_working_names_each_failure(make_cfg, monkeypatch):
     monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(
         ConfigError,
-        match=r"no storage backend works in .*/spill: posix probe failed \(open of 0 bytes .* "
+        match=r"no storage backend works in .*/spill: kvikio skipped \(no CUDA device\); "
+        r"native probe failed \(.*EROFS.*\); posix probe failed \(open of 0 bytes .* "
         r"EROFS \(Read-only file system\)\); buffered probe failed \(open .*EROFS.*\)\. Point "
         r"TBA_SPILL_DIR at a writable local disk, or use TBA_BACKEND=memory",
     ):
         open_backend(make_cfg(backend="auto"))
-
-
-@pytest.mark.parametrize("name", ["native", "kvikio"])
-def test_engines_not_in_this_build(make_cfg, name):
-    with pytest.raises(
-        ConfigError,
-        match=rf"TBA_BACKEND={name} is not available in this build yet\. Use TBA_BACKEND=posix",
-    ):
-        open_backend(make_cfg(backend=name))
 
 
 def test_memory_backend_touches_no_disk(make_cfg):
@@ -152,10 +213,11 @@ def test_choice_is_logged_once(make_cfg, caplog):
     caplog.set_level(logging.INFO, logger="tba.storage")
     for _ in range(3):
         open_backend(make_cfg(backend="auto")).close()
-    lines = [r for r in caplog.records if "using the posix backend" in r.getMessage()]
+    lines = [r for r in caplog.records if "tba.storage: using the " in r.getMessage()]
     assert len(lines) == 1
     assert lines[0].levelno == logging.INFO
-    assert "auto: O_DIRECT write+read probe passed" in lines[0].getMessage()
+    assert "(auto: " in lines[0].getMessage()
+    assert "O_DIRECT write+read probe passed" in lines[0].getMessage()
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from storage_util import FILE_BACKENDS, filled
+from storage_util import SLAB_BACKENDS, filled
 
 from tba.errors import ConfigError
 from tba.storage import open_backend
@@ -31,7 +31,7 @@ def dead_pid() -> int:
     return p.pid
 
 
-@pytest.mark.parametrize("name", FILE_BACKENDS)
+@pytest.mark.parametrize("name", SLAB_BACKENDS)
 def test_created_root_and_process_dir_are_0700(tmp_path, make_cfg, name):
     root = tmp_path / "a" / "b" / "spill"
     old = os.umask(0o022)
@@ -60,7 +60,7 @@ def test_existing_root_mode_is_left_alone(tmp_path, make_cfg):
     assert mode(root) == 0o755
 
 
-@pytest.mark.parametrize("name", FILE_BACKENDS)
+@pytest.mark.parametrize("name", SLAB_BACKENDS)
 def test_root_symlink_is_refused(tmp_path, make_cfg, name):
     real = tmp_path / "real"
     real.mkdir()
@@ -129,7 +129,7 @@ def test_symlink_swapped_in_after_mkdir_is_refused(tmp_path, make_cfg, monkeypat
     assert list(outside.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", FILE_BACKENDS)
+@pytest.mark.parametrize("name", SLAB_BACKENDS)
 def test_no_named_files_while_slabs_are_open(make_cfg, name):
     b = open_backend(make_cfg(backend=name))
     try:
@@ -255,7 +255,7 @@ time.sleep(60)
     assert os.listdir(root) == []
 
 
-@pytest.mark.parametrize("name", FILE_BACKENDS)
+@pytest.mark.parametrize("name", SLAB_BACKENDS)
 def test_dropped_backend_cleans_up(make_cfg, name):
     import gc
 
