@@ -25,3 +25,9 @@ def aligned_empty(nbytes: int, align: int = PAGE, pin: bool = False) -> torch.Te
 def as_memoryview(t: torch.Tensor) -> memoryview:
     """A writable, zero-copy byte view of a contiguous uint8 CPU tensor."""
     return memoryview(t.numpy()).cast("B")
+
+
+def io_buffer(t: torch.Tensor):
+    """What a backend's ``write``/``read`` takes for ``t``: a memoryview of host memory, or the
+    device tensor itself (device-direct I/O, kvikio with GDS)."""
+    return as_memoryview(t) if t.device.type == "cpu" else t

@@ -44,6 +44,8 @@ stream). Therefore:
    ``record_stream(consumer)``, so that once the buffer is freed the allocator does not give the
    block to a later read (whose DMA would overwrite it) before the consumer's kernels queued
    ahead of the free have finished.
+8. Bytes still in staging when backward wants them are copied D2D on the side stream into a
+   read buffer, and the host waits for that copy's event before the buffer is handed out.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class DeviceAdapter(Protocol):
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
 
+    def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
 
 class CpuAdapter:
     """Host memory is device memory: captures are memcpy, read-backs are zero-copy."""
@@ -108,6 +112,10 @@ class CpuAdapter:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
+
+    def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy captured staging bytes into a buffer of :meth:`host_buffer`; done on return."""
+        dst.copy_(src)
 
 
 class _CudaTicket(Ticket):
@@ -206,6 +214,22 @@ class CudaAdapter:
         with self._lock:
             self._inflight.append((copied, host))  # rule 4: pinned source outlives the copy
         return out
+
+    def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy captured staging bytes into a :meth:`host_buffer` buffer; done on return.
+
+        Staged mode: both are pinned host memory, so a CPU copy. Direct mode: a D2D copy on the
+        side stream, waited for, since it may run on an I/O thread whose current stream no
+        consumer is ordered with (rule 8); ``to_device`` then hands out ``dst`` as it is.
+        """
+        if not self.direct:
+            dst.copy_(src)
+            return
+        with self.cuda.stream(self.side):
+            self._copy(dst, src)
+            copied = self.cuda.Event(blocking=True)
+            copied.record(self.side)
+        copied.synchronize()
 
     def _prune(self) -> None:
         """Drop the pinned sources whose H2D copies have completed."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._memory import as_memoryview
+from ._memory import io_buffer
 from .cache import (
     CAPTURE,
     DEAD,
@@ -478,7 +478,7 @@ class Offloader:
         if fut is None:
             adapter, _ = self._device(e.device)
             whole = adapter.host_buffer(e.extent.length, self.align)
-            fut = self.backend.read(e.extent, as_memoryview(whole), self.config.checksum, e.digest)
+            fut = self.backend.read(e.extent, io_buffer(whole), self.config.checksum, e.digest)
             fut.tba_buffer = whole  # type: ignore[attr-defined]
             b.read_fut, b.readers = fut, []
             self._pending.add(fut)
@@ -500,7 +500,7 @@ class Offloader:
     def _copy_out(self, e: Entry) -> torch.Tensor:
         adapter, _ = self._device(e.device)
         host = adapter.host_buffer(e.padded, self.align)
-        host.copy_(e.staging.tensor)
+        adapter.copy_staged(host, e.staging.tensor)
         self.cache.charge(e.padded)
         return host
 
@@ -591,7 +591,7 @@ class Offloader:
         buf = adapter.host_buffer(e.padded, self.align)
         self.cache.charge(e.padded)
         e.io_busy = True
-        fut = self.backend.read(e.extent, as_memoryview(buf), self.config.checksum, e.digest)
+        fut = self.backend.read(e.extent, io_buffer(buf), self.config.checksum, e.digest)
         e.reading = fut
         fut.tba_buffer = buf  # type: ignore[attr-defined]
         self._pending.add(fut)

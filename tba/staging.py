@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from ._memory import as_memoryview
+from ._memory import io_buffer
 from .storage.alloc import ExtentAllocator
 
 
@@ -29,8 +29,9 @@ class StagingBlock:
 
     @property
     def view(self) -> memoryview:
+        """The block as a backend I/O buffer (a memoryview; the tensor itself on a device)."""
         if self._view is None:
-            self._view = as_memoryview(self.tensor)
+            self._view = io_buffer(self.tensor)
         return self._view
 
 

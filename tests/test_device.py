@@ -390,6 +390,39 @@ def test_direct_read_back_is_the_buffer_itself(direct, fake, no_host_staging):
     assert direct._inflight == []
 
 
+def test_offloader_in_direct_mode_copies_staged_bytes_on_the_side_stream(
+    make_offloader, fake, direct
+):
+    """Backward reaches a tensor whose write is still in flight: its bytes come from the
+    (device) staging block by a side-stream copy that is waited for (rule 8), not stale."""
+    import os
+
+    off = make_offloader(backend="posix")
+    adapter = direct
+    arena = adapter.staging_arena(off.config.staging_bytes, off.align)
+    off._adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.align))
+    release = threading.Event()
+
+    def slow_write(*args):
+        release.wait(30)
+        return os.pwrite(*args)
+
+    off.backend._pwrite = slow_write
+    w = torch.randn(4096, requires_grad=True)
+    x = torch.randn(4096)
+    want = x.exp()
+    with off.step():
+        loss = (x.exp() * w).sum()  # saves exp(x); its write blocks until released
+        del x
+    loss.backward()
+    release.set()
+    off.synchronize()
+    assert torch.equal(w.grad, want)
+    assert off.stats()["forwarded"] >= 1 and off.stats()["bytes_reloaded"] == 0
+    side_waits = [e for e in fake.events if e.stream is adapter.side and e.blocking and e.synced]
+    assert len(side_waits) >= 2  # the capture's event, then the staged copy's (rule 8)
+
+
 def test_adapter_for_ignores_direct_on_the_cpu():
     assert isinstance(adapter_for(torch.device("cpu"), direct=True), CpuAdapter)
 
