@@ -6,7 +6,8 @@ Modes, for each extent size (16 MiB and 64 KiB by default) and each repeat, inte
 - ``reference``: one thread, sequential ``os.pwrite`` / ``os.preadv`` over an O_DIRECT file;
 - ``fio`` (when on PATH): the same sizes with libaio at queue depth ``--depth``;
 - ``posix``, ``native`` (when built): the tba backends, every extent of the pass submitted at
-  once (as the offloader keeps many writes in flight), then all futures awaited;
+  once (as the offloader keeps many writes in flight), then all futures awaited; the source
+  and destination pool is registered with native (as the offloader registers its staging);
 - ``posix+coalesce``, ``native+coalesce`` (64 KiB only): 64 KiB *tensors* as the offloader
   handles them with coalescing on: each is copied into a slot of a 4 MiB batch (the staging
   copy, the only one) and each full batch is written with one request; reads fetch whole
@@ -15,7 +16,7 @@ Modes, for each extent size (16 MiB and 64 KiB by default) and each repeat, inte
 Disk speed drifts about 2x over minutes, so every repeat runs each mode once, in a rotating
 order; the report gives medians, each mode's ratio to the baseline (fio when present, else the
 reference loop) at 16 MiB, and CPU-seconds per GiB (user + system time of this process, or of
-fio's process, over the bytes moved). Not collected by pytest.
+fio's process including its start-up, over the bytes moved). Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ GIB = 1 << 30
 POOL_BYTES = 256 << 20  # distinct source/destination memory, cycled through by every mode
 TENSOR = 64 << 10  # the small-tensor size of the coalesce modes
 INFLIGHT_BATCHES = 16  # batches in flight in the coalesce modes (64 MiB of staging)
+
+
+def register(backend, buf) -> None:
+    """Register a long-lived buffer with backends that can (native: fixed buffers)."""
+    if hasattr(backend, "register"):
+        backend.register(buf)
 
 
 def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
@@ -94,6 +101,7 @@ class Coalesced:
         self.bb = batch_bytes(1 << 20, 256 << 20, backend.alignment)
         self.arena = aligned_empty(self.bb * INFLIGHT_BATCHES, backend.alignment)
         self.pool = StagingPool(self.arena, backend.alignment)
+        register(backend, self.arena)  # as the offloader registers its staging arena
         self.per_batch = self.bb // TENSOR
         self.batches = total // self.bb
         self.extents = [backend.allocate(self.bb) for _ in range(self.batches)]
@@ -211,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     backends = {n: open_named(n, root, 2 * total, args) for n in ("posix", "native")}
     backends = {n: b for n, b in backends.items() if b is not None}
     have_fio = shutil.which("fio") is not None
-    print(machine_line(args.spill_dir))
-    for name, b in backends.items():
-        print(f"{name}: {b.reason}")
-    print(f"total {format_size(total)} per pass, {args.repeats} repeats, fio: {have_fio}")
     align = next(iter(backends.values())).alignment
     pool_t = aligned_empty(min(POOL_BYTES, total), align)
     pool_t.random_(0, 256)
     pool = as_memoryview(pool_t)
+    for b in backends.values():
+        register(b, pool_t)
+    print(machine_line(args.spill_dir))
+    for name, b in backends.items():
+        print(f"{name}: {b.reason}")
+    print(f"total {format_size(total)} per pass, {args.repeats} repeats, fio: {have_fio}")
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     ref_fd = open_unnamed(dir_fd, root, True, "ref")
     os.close(dir_fd)
