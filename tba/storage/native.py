@@ -524,7 +524,7 @@ class NativeBackend(SlabBackend):
     def __init__(self, cfg: Config, *, require_ring: bool = False, _setup_errno: int | None = None):
         lib, _path, error = _load()
         if lib is None:
-            raise NativeUnavailable(_errno.ENOENT, f"tba.storage: TBA_BACKEND=native: {error}")
+            raise NativeUnavailable(_errno.ENOENT, f"tba.storage: {error}")
         engine = _Engine(lib, cfg.io_depth, _setup_errno)
         info = engine.info()
         if require_ring and info.kind != _IO_URING:

@@ -127,14 +127,25 @@ def test_missing_library_is_reported_and_import_stays_quiet(tmp_path):
     )
     script = textwrap.dedent(
         """
-        import json, tba
+        import json, logging, tba
         from tba.config import Config
+        from tba.storage import open_backend
         from tba.storage.native import NativeBackend, NativeUnavailable, engine_status
         try:
             NativeBackend(Config(spill_dir=SPILL, environ={}))
         except NativeUnavailable as e:
             refused = str(e)
-        print(json.dumps([tba.__file__, engine_status(), refused]))
+        warnings = []
+        handler = logging.Handler()
+        handler.emit = lambda r: warnings.append(r.getMessage())
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("tba.storage").addHandler(handler)
+        names = []
+        for _ in range(2):  # auto falls back to posix, and says why once
+            b = open_backend(Config(spill_dir=SPILL, min_free_bytes=0, environ={}))
+            names.append(b.name)
+            b.close()
+        print(json.dumps([tba.__file__, engine_status(), refused, names, warnings]))
         """
     ).replace("SPILL", repr(str(tmp_path / "spill")))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
@@ -143,12 +154,16 @@ def test_missing_library_is_reported_and_import_stays_quiet(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stderr == ""
-    where, status, refused = json.loads(run.stdout)
+    where, status, refused, names, warnings = json.loads(run.stdout)
+    assert names == ["posix", "posix"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("tba.storage: native probe failed (the native engine")
+    assert warnings[0].endswith("; using the posix backend instead")
     assert where == str(tmp_path / "tba" / "__init__.py")
     assert status["built"] is False and status["library"] is None and not status["io_uring"]
     assert "not built" in status["build_error"] and "C compiler" in status["build_error"]
     assert "pip install" in status["build_error"]
-    assert refused.startswith("tba.storage: TBA_BACKEND=native: the native engine")
+    assert refused.startswith("tba.storage: the native engine")
     assert "Reinstall tba where a C compiler is available" in refused
 
 
