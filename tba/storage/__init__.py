@@ -78,12 +78,15 @@ def _construct(name: str, cfg: Config, auto: bool) -> SlabBackend:
     return _FILE_BACKENDS[name](cfg)
 
 
+_NO_CUDA = "no CUDA device"
+
+
 def _kvikio_skip() -> str | None:
     """Why "auto" does not even try kvikio here (no CUDA, no kvikio, no GDS), else None."""
     import torch
 
     if not torch.cuda.is_available():
-        return "no CUDA device"
+        return _NO_CUDA
     from .kvikio import kvikio_status
 
     st = kvikio_status()
@@ -124,6 +127,8 @@ def open_backend(cfg: Config) -> Backend:
     for candidate in _AUTO_ORDER:
         if candidate == "kvikio":
             skip = _kvikio_skip()
+            if skip == _NO_CUDA:
+                continue  # the common case on a CPU host: not worth a word
             if skip:
                 failures.append(f"kvikio skipped ({skip.rstrip('.')})")
                 continue
@@ -133,8 +138,7 @@ def open_backend(cfg: Config) -> Backend:
             failures.append(f"{candidate} probe failed ({_probe_failure(e).rstrip('.')})")
             log.debug("tba.storage: %s probe failed: %s", candidate, e)
             continue
-        # kvikio is skipped on every CPU host: only later failures are worth the line.
-        why = "".join(f"{f}; " for f in failures if not f.startswith("kvikio"))
+        why = "".join(f"{f}; " for f in failures)
         backend.reason = f"auto: {why}{backend.probe_summary()}"
         native = [f for f in failures if f.startswith("native")]
         if native and ("native-fallback", native[0]) not in _logged:

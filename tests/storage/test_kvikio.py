@@ -594,3 +594,49 @@ def test_real_kvikio_with_a_device_buffer(make_cfg):
         b.read(ext, host).result()
         assert host == src.cpu().numpy().tobytes()
         assert b.register(src) is b.device_direct
+
+
+# -- backend selection: "auto" and kvikio ------------------------------------------------------
+def fake_cuda_host(monkeypatch, fake):
+    """``import kvikio`` gives ``fake`` and torch reports a CUDA device."""
+    monkeypatch.setitem(sys.modules, "kvikio", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_auto_picks_kvikio_on_a_cuda_host_with_gds(make_cfg, monkeypatch, fake_cuda):
+    from tba.storage import open_backend
+
+    fake_cuda_host(monkeypatch, FakeKvikio(gds=True, compat="OFF"))
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert b.name == "kvikio" and b.device_direct
+        assert b.reason.startswith("auto: ")
+
+
+def test_auto_passes_over_kvikio_without_gds(make_cfg, monkeypatch, fake_cuda):
+    from tba.storage import open_backend
+
+    fake_cuda_host(monkeypatch, FakeKvikio(gds=False))
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert b.name != "kvikio"
+        assert b.reason.startswith("auto: kvikio skipped (kvikio 25.04.00 imported; GDS driver not")
+
+
+def test_auto_passes_over_kvikio_without_cuda(make_cfg, monkeypatch):
+    from tba.storage import open_backend
+
+    monkeypatch.setitem(sys.modules, "kvikio", FakeKvikio(gds=True, compat="OFF"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert b.name != "kvikio"
+        assert "kvikio skipped" not in b.reason  # not news on a CPU host
+
+
+def test_auto_passes_over_kvikio_whose_probe_fails(make_cfg, monkeypatch, fake_cuda):
+    from tba.storage import open_backend
+
+    fake = FakeKvikio(gds=True, compat="OFF")
+    fake.raise_at_call = NO_DRIVER
+    fake_cuda_host(monkeypatch, fake)
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert b.name != "kvikio"
+        assert b.reason.startswith("auto: kvikio probe failed (") and "libcuda.so.1" in b.reason
