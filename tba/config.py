@@ -159,6 +159,41 @@ def _quota(value: Any) -> int | None:
     return n
 
 
+def _rate(value: Any) -> int | None:
+    """Bytes per second: ``300MB``, ``300MB/s``, ``1GiB/s``; 0, 'none' or empty mean no limit."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "0"):
+            return None
+        text = text[:-2] if text.lower().endswith("/s") else text
+        try:
+            n = parse_size(text)
+        except _Bad:
+            raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
+    else:
+        try:
+            n = parse_size(value)
+        except _Bad:
+            raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
+    if n == 0:
+        return None
+    if n < 4096:
+        raise _Bad("a rate of at least 4096 bytes per second, such as 300MB/s, or 0 for no limit")
+    return n
+
+
+def _optional_file(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise _Bad("a file path, such as /tmp/tba-trace.jsonl")
+    return os.path.abspath(os.path.expanduser(value.strip()))
+
+
 def _optional_rank(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -282,6 +317,26 @@ _FIELDS: dict[str, _Field] = {
         "Verify every read against a checksum taken at write time. crc32 needs nothing extra; "
         "crc32c needs google-crc32c, xxh64 needs xxhash.",
     ),
+    "max_write_bps": _Field(
+        "TBA_MAX_WRITE_BPS",
+        _rate,
+        None,
+        "Cap on spill write bandwidth, e.g. 300MB/s (a token bucket in the backend): leaves the "
+        "drive to data loading and checkpoints, limits wear, emulates a slower disk. 0: no cap.",
+    ),
+    "max_read_bps": _Field(
+        "TBA_MAX_READ_BPS",
+        _rate,
+        None,
+        "Cap on spill read bandwidth, e.g. 1GB/s (a token bucket in the backend). 0: no cap.",
+    ),
+    "trace": _Field(
+        "TBA_TRACE",
+        _optional_file,
+        None,
+        "Append a JSON-lines trace here: per step and group, bytes packed, offloaded and kept, "
+        "forward and backward compute time, write and read times, stalls (see README).",
+    ),
     "metrics_dir": _Field(
         "TBA_METRICS_DIR",
         _optional_path,
@@ -345,6 +400,9 @@ class Config:
     slab_bytes: int = _UNSET
     group_bytes: int = _UNSET
     checksum: str = _UNSET
+    max_write_bps: int | None = _UNSET
+    max_read_bps: int | None = _UNSET
+    trace: str | None = _UNSET
     metrics_dir: str | None = _UNSET
     log_level: str = _UNSET
     rank: int | None = _UNSET
