@@ -121,6 +121,7 @@ class Entry:
         "from_disk",
         "batch",
         "slot_at",
+        "stat",
     )
 
     def __init__(self, cache: Cache, step: StepState, key: Any, storage_ref: Any, t, nbytes: int):
@@ -151,6 +152,7 @@ class Entry:
         self.from_disk = False  # ``host`` came from a disk read (not staging or a fallback)
         self.batch = None  # the Batch this small tensor was coalesced into (NOTE [Coalescing])
         self.slot_at = 0  # its byte offset inside the batch
+        self.stat = step.group(0)  # the GroupStat of the group that packed it (set by offload)
 
     def __repr__(self) -> str:
         return f"<Entry {STATE_NAMES[self.state]} {self.nbytes}B>"
@@ -210,13 +212,14 @@ class KeptEntry:
 class KeptHandle:
     """A saved tensor tba keeps in memory. Holds it, and checks its version on unpack."""
 
-    __slots__ = ("tensor", "version", "entry", "key", "__weakref__")
+    __slots__ = ("tensor", "version", "entry", "key", "stat", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any):
+    def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any, stat: Any = None):
         self.tensor = t
         self.version = t._version
         self.entry = entry
         self.key = key
+        self.stat = stat  # the GroupStat of the group that packed it (backward timing)
 
     def __del__(self) -> None:
         try:

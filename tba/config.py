@@ -194,6 +194,15 @@ def _optional_file(value: Any) -> str | None:
     return os.path.abspath(os.path.expanduser(value.strip()))
 
 
+def _keep(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _count(0)(value)
+    except _Bad:
+        raise _Bad("'auto' or a whole number >= 0") from None
+
+
 def _optional_rank(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -280,10 +289,11 @@ _FIELDS: dict[str, _Field] = {
     ),
     "keep_last": _Field(
         "TBA_KEEP_LAST",
-        _count(0),
-        1,
+        _keep,
+        "auto",
         "The last K groups (blocks) of the forward stay resident: backward needs them first. "
-        "0 keeps none.",
+        "'auto' (default) chooses K from the measured compute time and disk bandwidth, so "
+        "writes finish and reads arrive in time; a number fixes it (0 keeps none).",
     ),
     "max_disk_bytes": _Field(
         "TBA_MAX_DISK_BYTES",
@@ -394,7 +404,7 @@ class Config:
     coalesce_bytes: int = _UNSET
     staging_bytes: int = _UNSET
     prefetch_bytes: int = _UNSET
-    keep_last: int = _UNSET
+    keep_last: int | str = _UNSET
     max_disk_bytes: int | None = _UNSET
     min_free_bytes: int = _UNSET
     slab_bytes: int = _UNSET

@@ -47,11 +47,17 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes)
             reason = off.policy.keep_reason(t, nbytes, off.groups.on_pack(nbytes))
+            gs = st.group(off.groups.group)
+            gs.tensors += 1
+            gs.packed_bytes += nbytes
             if reason is None:
                 got = off.offload(t, storage, key, whole, nbytes, stride, offset, st)
                 if not isinstance(got, str):
                     return got
                 reason = got
+            gs.kept_bytes += nbytes
+            if reason == "group":
+                gs.keepable_bytes += nbytes
             return off.keep(t, key, snbytes, reason, st)
 
     def unpack(self, packed: Any) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ._memory import io_buffer
+from .adaptive import KeepController
 from .cache import (
     CAPTURE,
     DEAD,
@@ -43,6 +45,7 @@ from .policy import Policy
 from .scheduler import GroupTracker, Prefetcher
 from .staging import StagingPool
 from .stats import StepState
+from .trace import TraceWriter
 
 log = logging.getLogger("tba")
 
@@ -85,7 +88,20 @@ class Offloader:
         self.align = self.backend.alignment
         self.cache = Cache(self, self._lock)
         self.policy = Policy(config.min_offload_bytes)
-        self.groups = GroupTracker(config.keep_last, config.group_bytes)
+        self.keeper = KeepController(config.keep_last, config.prefetch_bytes)
+        self.groups = GroupTracker(self.keeper.k, config.group_bytes)
+        self._trace: TraceWriter | None = None
+        if config.trace:
+            self._trace = TraceWriter(
+                config.trace,
+                {
+                    "pid": os.getpid(),
+                    "rank": config.rank,
+                    "backend": self.backend.name,
+                    "backend_reason": self.backend.reason,
+                    "config": config.as_dict(),
+                },
+            )
         self.prefetcher = Prefetcher(config.prefetch_bytes, self._start_read)
         self._adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
         self._capture_pool: Any = None
@@ -114,6 +130,8 @@ class Offloader:
                 )
             self._active_thread = me
             self.cache.bury()
+            self._observe_last()
+            self.groups.keep_last = self.keeper.k
             self._steps += 1
             st = StepState(self._steps)
             self._current = st
@@ -146,7 +164,8 @@ class Offloader:
             if self.enabled:
                 out["backend"] = self.backend.name
                 out["backend_reason"] = self.backend.reason
-                out["keep_last"] = self.config.keep_last
+                out["keep_last"] = self.keeper.k
+                out["keep_decision"] = dict(self.keeper.decision)
                 out["resident_bytes"] = self.cache.resident
                 out["prefetch_inflight_bytes"] = self.prefetcher.inflight
                 out["live_entries"] = len(self._live)
@@ -190,6 +209,10 @@ class Offloader:
                     e.state = MEMORY
         if self._capture_pool is not None:
             self._capture_pool.shutdown(wait=True)
+        with self._lock:
+            self._observe_last()
+        if self._trace is not None:
+            self._trace.close()
         self.backend.close()
 
     def __enter__(self) -> Offloader:
@@ -221,7 +244,7 @@ class Offloader:
         st.keep(reason)
         ke = self.cache.kept_entry(key[0], nbytes)
         ke.handles += 1
-        h = KeptHandle(t, ke, key)
+        h = KeptHandle(t, ke, key, st.group(self.groups.group))
         self.cache.add_handle(h)
         return h
 
@@ -277,6 +300,7 @@ class Offloader:
                 raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
         e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
         e.staging, e.extent, e.padded = block, extent, block.length
+        e.stat = st.group(self.groups.group)
         self.cache.charge(block.length)
         if batch is not None:
             e.batch, e.slot_at = batch, block.offset
@@ -297,6 +321,7 @@ class Offloader:
         self._live.add(e)
         st.tensors_offloaded += 1
         st.bytes_offloaded += nbytes
+        e.stat.offloaded_bytes += nbytes
         st.entries.append(e)
         if e.ticket.done():
             self._captured(e)
@@ -338,9 +363,18 @@ class Offloader:
     def _write(self, e: Entry) -> None:
         e.state = WRITING
         e.io_busy = True
+        t0 = time.perf_counter()
+        e.stat.io_started(True, t0)
         fut = self.backend.write(e.extent, e.staging.view, self.config.checksum)
         self._pending.add(fut)
-        fut.add_done_callback(lambda f, e=e: self._write_done(e, f))
+        fut.add_done_callback(lambda f, e=e, t0=t0: self._single_written(e, f, t0))
+
+    def _single_written(self, e: Entry, fut: Future, t0: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            e.stat.io_done(True, e.padded, now)
+            e.step.io_span(True, t0, now, e.padded)
+        self._write_done(e, fut)
 
     def _write_done(self, e: Entry, fut: Future) -> None:
         with self._lock:
@@ -446,13 +480,18 @@ class Offloader:
             m.extent = extent
         b.writing = True
         b.staging_refs += 1  # the write reads the block
+        t0 = time.perf_counter()
+        live[0].stat.io_started(True, t0)  # a batch holds one group
         fut = self.backend.write(extent, b.block.view[:n], self.config.checksum)
         self._pending.add(fut)
-        fut.add_done_callback(lambda f, b=b, live=live: self._batch_written(b, live, f))
+        fut.add_done_callback(lambda f, b=b, live=live, t0=t0: self._batch_written(b, live, f, t0))
 
-    def _batch_written(self, b: Batch, members: list[Entry], fut: Future) -> None:
+    def _batch_written(self, b: Batch, members: list[Entry], fut: Future, t0: float) -> None:
+        now = time.perf_counter()
         with self._lock:
             b.writing = False
+            members[0].stat.io_done(True, b.extent.length if b.extent else 0, now)
+            members[0].step.io_span(True, t0, now, b.extent.length if b.extent else 0)
             for m in members:
                 self._write_done(m, fut)
             self._unref_staging(b)
@@ -478,8 +517,11 @@ class Offloader:
         if fut is None:
             adapter, _ = self._device(e.device)
             whole = adapter.host_buffer(e.extent.length, self.align)
+            t0 = time.perf_counter()
+            e.stat.io_started(False, t0)
             fut = self.backend.read(e.extent, io_buffer(whole), self.config.checksum, e.digest)
             fut.tba_buffer = whole  # type: ignore[attr-defined]
+            fut.tba_t0 = t0  # type: ignore[attr-defined]
             b.read_fut, b.readers = fut, []
             self._pending.add(fut)
             fut.add_done_callback(lambda f, b=b: self._batch_read_done(b, f))
@@ -494,6 +536,9 @@ class Offloader:
             if b.read_fut is fut:
                 b.read_fut = None
             readers, b.readers = b.readers, []
+            if readers and fut.exception() is None:
+                now = time.perf_counter()
+                readers[0].step.io_span(False, fut.tba_t0, now, len(fut.tba_buffer))  # type: ignore[attr-defined]
             for e in readers:
                 self._read_done(e, fut)
 
@@ -507,8 +552,11 @@ class Offloader:
     # -- unpack side --------------------------------------------------------------------------
     def unpack(self, h: Handle | KeptHandle) -> torch.Tensor:
         if isinstance(h, KeptHandle):
+            if h.stat is not None:
+                h.stat.unpacked(time.perf_counter())
             return h.unpack()
         e = h.entry
+        e.stat.unpacked(time.perf_counter())
         t = h.live_original()
         if t is not None:
             with self._lock:
@@ -544,6 +592,7 @@ class Offloader:
                 e.from_disk = False
         elif e.host is None and e.state == ON_DISK and not e.io_busy:
             st.sync_loads += 1
+            e.stat.sync_loads += 1
             if not e.budgeted:
                 self.prefetcher.take(e)
             self._start_read(e)
@@ -561,6 +610,7 @@ class Offloader:
                 self._lock.acquire()
             self._read_done(e, fut)
         st.stall_seconds += waited
+        e.stat.stall_seconds += waited
         if e.error is not None:
             raise e.error
         if e.device.type != "cpu":
@@ -591,9 +641,12 @@ class Offloader:
         buf = adapter.host_buffer(e.padded, self.align)
         self.cache.charge(e.padded)
         e.io_busy = True
+        t0 = time.perf_counter()
+        e.stat.io_started(False, t0)
         fut = self.backend.read(e.extent, io_buffer(buf), self.config.checksum, e.digest)
         e.reading = fut
         fut.tba_buffer = buf  # type: ignore[attr-defined]
+        fut.tba_t0 = t0  # type: ignore[attr-defined]
         self._pending.add(fut)
         fut.add_done_callback(lambda f, e=e: self._read_done(e, f))
 
@@ -620,6 +673,10 @@ class Offloader:
             e.host = buf
             e.from_disk = True
             e.step.bytes_reloaded += e.nbytes
+            now = time.perf_counter()
+            e.stat.io_done(False, e.padded, now)
+            if e.batch is None:
+                e.step.io_span(False, fut.tba_t0, now, e.padded)  # type: ignore[attr-defined]
             self.cache.bury()
 
     # -- lifetimes ----------------------------------------------------------------------------
@@ -672,6 +729,46 @@ class Offloader:
             if not pending:
                 return
             wait_futures(pending)
+
+    # -- measurements (NOTE [Adaptive keep], tba/trace.py) -----------------------------------
+    def _observe_last(self) -> None:
+        """Feed the last step to the keep controller and the trace once its backward has run."""
+        st = self._last
+        if st is None or st.observed or not st.backward_end():
+            return
+        st.observed = True
+        records = st.group_records()
+        w, r = st.bandwidth(True), st.bandwidth(False)
+        n = len(records)
+        self.keeper.observe(
+            st.index,
+            records,
+            w,
+            r,
+            lambda k: self.groups.kept_from(k, n),
+            self.groups.max_keep(n),
+        )
+        if self._trace is not None:
+            backward = max(0.0, st.backward_end() - st.forward_end)
+            self._trace.step(
+                st.index,
+                records,
+                {
+                    "forward_seconds": st.forward_seconds,
+                    "backward_seconds": backward,
+                    "step_seconds": st.forward_seconds + backward,
+                    "saved_bytes": st.saved_bytes,
+                    "peak_resident_bytes": st.peak_resident_bytes,
+                    "bytes_offloaded": st.bytes_offloaded,
+                    "bytes_reloaded": st.bytes_reloaded,
+                    "stall_seconds": st.stall_seconds,
+                    "sync_loads": st.sync_loads,
+                    "write_bps": w,
+                    "read_bps": r,
+                    "keep_last": st.keep_last,
+                    "keep_decision": self.keeper.decision,
+                },
+            )
 
     # -- helpers ------------------------------------------------------------------------------
     def note_resident(self, value: int) -> None:

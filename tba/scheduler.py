@@ -17,6 +17,7 @@ always allowed). Each consumed entry returns its bytes to the budget and the pla
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -49,11 +50,27 @@ class GroupTracker:
         self.keep_last = keep_last
         self.group_bytes = group_bytes
         self.prev_windows: int | None = None
+        self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
         self._hooks: list[Any] = []
         self._blocks: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = (
             weakref.WeakKeyDictionary()
         )
         self.reset(None)
+
+    def kept_from(self, k: int, groups: int) -> int:
+        """The first group index kept with ``keep_last=k``, for a step of ``groups`` groups.
+
+        With a model, group 2i+1 is block i and the groups between and after blocks follow the
+        block before them; without one, groups are the pack-order windows.
+        """
+        if k <= 0:
+            return groups
+        if self.n_blocks:
+            return max(1, 2 * (self.n_blocks - k) + 1)
+        return max(0, groups - k)
+
+    def max_keep(self, groups: int) -> int:
+        return self.n_blocks or groups
 
     def reset(self, step: StepState | None) -> None:
         self.step = step
@@ -65,31 +82,47 @@ class GroupTracker:
 
     def begin(self, step: StepState, model: nn.Module | None) -> None:
         self.reset(step)
+        step.keep_last = self.keep_last
+        step.group(0).fwd_start = time.perf_counter()
         if model is not None:
             blocks = self._blocks.get(model)
             if blocks is None:
                 blocks = self._blocks[model] = detect_blocks(model)
             self.by_model = True
-            n = len(blocks)
+            n = self.n_blocks = len(blocks)
             first_kept = n - self.keep_last if self.keep_last else n
             step.kept_groups = min(self.keep_last, n)
             for i, block in enumerate(blocks):
                 kept = i >= first_kept
                 self._hooks.append(block.register_forward_pre_hook(self._enter_hook(kept)))
                 self._hooks.append(block.register_forward_hook(self._exit_hook))
-        elif self.keep_last and self.prev_windows is not None:
+        else:
+            self.n_blocks = 0
+        if model is None and self.keep_last and self.prev_windows is not None:
             self.first_kept = max(0, self.prev_windows - self.keep_last)
             step.kept_groups = self.prev_windows - self.first_kept
 
     def _enter_hook(self, kept: bool) -> Callable[..., None]:
         def enter(module: nn.Module, args: Any) -> None:
-            self.group += 1
+            self._switch(self.group + 1)
             self.kept = kept
+            if self.step is not None:
+                self.step.group(self.group).kept = kept
 
         return enter
 
     def _exit_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.group += 1  # what runs between or after blocks is a group of its own
+        self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
+        if self.kept and self.step is not None:
+            self.step.group(self.group).kept = True  # after a kept block (the head): kept too
+
+    def _switch(self, group: int) -> None:
+        """The forward moves on to ``group``: close the current group's forward time."""
+        now = time.perf_counter()
+        if self.step is not None:
+            self.step.group(self.group).fwd_end = now
+            self.step.group(group).fwd_start = now
+        self.group = group
 
     def on_pack(self, nbytes: int) -> bool:
         """Account a pack of ``nbytes``; True when it belongs to a kept group."""
@@ -97,10 +130,16 @@ class GroupTracker:
             return self.kept
         window = self.packed // self.group_bytes
         self.packed += nbytes
-        self.group = window
-        return self.first_kept is not None and window >= self.first_kept
+        if window != self.group:
+            self._switch(window)
+        kept = self.first_kept is not None and window >= self.first_kept
+        if kept and self.step is not None:
+            self.step.group(window).kept = True
+        return kept
 
     def end(self) -> None:
+        if self.step is not None:
+            self.step.group(self.group).fwd_end = time.perf_counter()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -28,6 +28,73 @@ PINNED_KEYS = (
 )
 
 
+class GroupStat:
+    """What one group (block) of one step did: bytes, and when its compute and I/O ran.
+
+    Times are ``time.perf_counter()`` values; 0.0 means "did not happen". The backward compute
+    of a group is taken from its unpacks (see :meth:`StepState.group_records`).
+    """
+
+    __slots__ = (
+        "group",
+        "kept",
+        "tensors",
+        "packed_bytes",
+        "offloaded_bytes",
+        "kept_bytes",
+        "keepable_bytes",
+        "fwd_start",
+        "fwd_end",
+        "bwd_first",
+        "bwd_last",
+        "write_first",
+        "write_last",
+        "written_bytes",
+        "read_first",
+        "read_last",
+        "read_bytes",
+        "stall_seconds",
+        "sync_loads",
+    )
+
+    def __init__(self, group: int):
+        self.group = group
+        self.kept = False
+        self.tensors = 0
+        self.packed_bytes = 0
+        self.offloaded_bytes = 0
+        self.kept_bytes = 0
+        self.keepable_bytes = 0  # bytes kept only because the group is kept: offloadable
+        self.fwd_start = self.fwd_end = 0.0
+        self.bwd_first = self.bwd_last = 0.0
+        self.write_first = self.write_last = 0.0
+        self.written_bytes = 0
+        self.read_first = self.read_last = 0.0
+        self.read_bytes = 0
+        self.stall_seconds = 0.0
+        self.sync_loads = 0
+
+    def unpacked(self, now: float) -> None:
+        if not self.bwd_first:
+            self.bwd_first = now
+        self.bwd_last = now
+
+    def io_started(self, write: bool, now: float) -> None:
+        if write:
+            if not self.write_first:
+                self.write_first = now
+        elif not self.read_first:
+            self.read_first = now
+
+    def io_done(self, write: bool, nbytes: int, now: float) -> None:
+        if write:
+            self.write_last = max(self.write_last, now)
+            self.written_bytes += nbytes
+        else:
+            self.read_last = max(self.read_last, now)
+            self.read_bytes += nbytes
+
+
 class StepState:
     """Counters and the prefetch plan of one step."""
 
@@ -57,6 +124,82 @@ class StepState:
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
+        self.forward_end = 0.0
+        self.observed = False  # fed to the keep controller and the trace
+        self.keep_last = 0  # K used for this step
+        self.by_group: dict[int, GroupStat] = {}
+        # Write and read intervals (start, end, bytes): the achieved bandwidth of this step.
+        self.io_spans: tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]] = (
+            [],
+            [],
+        )
+
+    def group(self, g: int) -> GroupStat:
+        gs = self.by_group.get(g)
+        if gs is None:
+            gs = self.by_group[g] = GroupStat(g)
+        return gs
+
+    def io_span(self, write: bool, start: float, end: float, nbytes: int) -> None:
+        self.io_spans[0 if write else 1].append((start, end, nbytes))
+
+    def bandwidth(self, write: bool) -> float | None:
+        """Bytes per second while this step's writes (or reads) were in flight, or None."""
+        spans = sorted(self.io_spans[0 if write else 1])
+        if not spans:
+            return None
+        busy, end = 0.0, float("-inf")
+        for a, b, _ in spans:  # length of the union of the intervals
+            if b <= end:
+                continue
+            busy += b - max(a, end)
+            end = b
+        total = sum(n for _, _, n in spans)
+        return total / busy if busy > 0 else None
+
+    def group_records(self) -> list[dict[str, Any]]:
+        """One dict per group, in forward order, with compute and I/O times in seconds.
+
+        Backward compute of a group is the time from its first unpack to the first unpack of the
+        group backward reaches next (the last group: to its own last unpack), less its stalls.
+        """
+        order = sorted(self.by_group)
+        out = []
+        for i, g in enumerate(order):
+            gs = self.by_group[g]
+            nxt = next(
+                (self.by_group[h] for h in reversed(order[:i]) if self.by_group[h].bwd_first), None
+            )
+            if gs.bwd_first:
+                until = nxt.bwd_first if nxt is not None else gs.bwd_last
+                bwd = max(0.0, until - gs.bwd_first - gs.stall_seconds)
+            else:
+                bwd = 0.0
+            out.append(
+                {
+                    "group": g,
+                    "kept": gs.kept,
+                    "tensors": gs.tensors,
+                    "packed_bytes": gs.packed_bytes,
+                    "offloaded_bytes": gs.offloaded_bytes,
+                    "kept_bytes": gs.kept_bytes,
+                    "keepable_bytes": gs.keepable_bytes,
+                    "fwd_seconds": max(0.0, gs.fwd_end - gs.fwd_start),
+                    "bwd_seconds": bwd,
+                    "write_seconds": max(0.0, gs.write_last - gs.write_first)
+                    if gs.write_first
+                    else 0.0,
+                    "read_seconds": max(0.0, gs.read_last - gs.read_first)
+                    if gs.read_first
+                    else 0.0,
+                    "stall_seconds": gs.stall_seconds,
+                    "sync_loads": gs.sync_loads,
+                }
+            )
+        return out
+
+    def backward_end(self) -> float:
+        return max((gs.bwd_last for gs in self.by_group.values()), default=0.0)
 
     def see(self, storage: Any, cdata: int, nbytes: int) -> None:
         """Count a storage once per step in ``saved_bytes`` (the baseline's residency)."""
@@ -86,5 +229,6 @@ class StepState:
         return out
 
     def finish_forward(self) -> None:
-        self.forward_seconds = time.perf_counter() - self.started
+        self.forward_end = time.perf_counter()
+        self.forward_seconds = self.forward_end - self.started
         self.seen.clear()  # release the weak references; saved_bytes is final

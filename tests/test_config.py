@@ -13,7 +13,7 @@ from tba.config import Config, format_size, parse_size
 
 def test_defaults_without_env():
     c = Config(environ={})
-    assert c.enabled is True and c.backend == "auto" and c.keep_last == 1
+    assert c.enabled is True and c.backend == "auto" and c.keep_last == "auto"
     assert c.min_offload_bytes == 1 << 20 and c.max_disk_bytes is None
     assert c.spill_dir.startswith("/var/tmp/tba-") and c.rank == 0
     assert all(v == "default" for v in c.sources.values())
@@ -74,7 +74,10 @@ def test_format_size():
             r"TBA_STAGING_BYTES='1KiB' is invalid; expected a size of at least 1.0 MiB",
         ),
         ({"TBA_IO_THREADS": "0"}, r"TBA_IO_THREADS='0' is invalid; expected a whole number >= 1"),
-        ({"TBA_KEEP_LAST": "-1"}, r"TBA_KEEP_LAST='-1' is invalid; expected a whole number >= 0"),
+        (
+            {"TBA_KEEP_LAST": "-1"},
+            r"TBA_KEEP_LAST='-1' is invalid; expected 'auto' or a whole number >= 0",
+        ),
         ({"TBA_KEEP_LAST": "two"}, r"TBA_KEEP_LAST='two' is invalid"),
         (
             {"TBA_BACKEND": "nvme"},
