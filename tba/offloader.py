@@ -514,7 +514,8 @@ class Offloader:
             e.step.bytes_reloaded += e.nbytes
             return
         fut = b.read_fut
-        if fut is None:
+        new = fut is None
+        if new:
             adapter, _ = self._device(e.device)
             whole = adapter.host_buffer(e.extent.length, self.align)
             t0 = time.perf_counter()
@@ -524,11 +525,12 @@ class Offloader:
             fut.tba_t0 = t0  # type: ignore[attr-defined]
             b.read_fut, b.readers = fut, []
             self._pending.add(fut)
-            fut.add_done_callback(lambda f, b=b: self._batch_read_done(b, f))
         self.cache.charge(e.padded)
         e.io_busy = True
         e.reading = fut
         b.readers.append(e)
+        if new:  # after joining: a read that is already done serves ``e`` (and its views) now
+            fut.add_done_callback(lambda f, b=b: self._batch_read_done(b, f))
 
     def _batch_read_done(self, b: Batch, fut: Future) -> None:
         with self._lock:

@@ -252,3 +252,16 @@ def test_checksummed_batches(spill_dir):
     with make(spill_dir, checksum="crc32") as off:
         assert same(run(model, off), want)
         assert off.stats()["coalesced_writes"] > 0
+
+
+def test_a_read_that_completes_at_once_serves_the_whole_batch(spill_dir):
+    """The memory backend completes reads inside read(): one read per batch all the same."""
+    torch.manual_seed(0)
+    model = Chain(n=2, per_block=16, numel=16 * KIB)
+    want = run(model)
+    with make(spill_dir, backend="memory") as off:
+        got = run(model, off, settle=True)
+        off.synchronize()
+        use = off.backend.usage()
+    assert same(got, want)
+    assert use["reads"] == use["writes"] < 8
