@@ -3,10 +3,15 @@
  *
  * Layout of this file:
  *   1. our own copy of the io_uring kernel ABI (checked against <linux/io_uring.h> when present)
- *   2. the engine state, op bookkeeping and the completion rules shared by both modes
+ *   2. the engine state, op bookkeeping and the completion rules shared by both modes, and
+ *      the bandwidth caps (a token bucket per direction)
  *   3. io_uring mode: setup, submission ring, completion ring, registrations
  *   4. threads mode: workers doing pread/pwrite
  *   5. the public functions
+ *
+ * Queues: submitted ops wait in one FIFO per direction (pend[TBA_OP_READ], pend[TBA_OP_WRITE]);
+ * pend_next hands out the oldest head whose direction's bucket has tokens for it, so a capped
+ * direction never holds back the other one.
  *
  * Locking: `lock` guards everything but the completion ring, which only the reaper reads
  * (under `reap_lock`). Counters read by tba_engine_info are updated with __atomic builtins.
@@ -231,6 +236,8 @@ struct op {
     uint32_t unit;
     uint32_t again, stalls, tries;
     uint32_t why;
+    int admitted;     /* its tokens are paid: never charged again (a retry, a requeue) */
+    uint64_t seq;     /* submission order, across both directions */
     int64_t result;
 };
 
@@ -254,6 +261,30 @@ struct rule {
 
 enum { BUF_UNTRIED = 0, BUF_SPARSE = 1, BUF_LEGACY_BUSY = 2, BUF_LEGACY_IDLE = 3 };
 
+/* A token bucket capping one direction (see "Bandwidth caps" in native/README.md). Tokens are
+ * bytes; they accrue at `rate` up to `burst`. While there is a backlog the ceiling rises to the
+ * head op's length when that is longer (pay before, no debt, no splitting), plus CATCH_UP_S of
+ * the rate (a late release is made up, idle time is not). Guarded by `lock`. */
+struct bucket {
+    uint64_t rate;         /* bytes per second; 0: no cap */
+    uint64_t burst;        /* bytes */
+    double tokens;
+    int64_t stamp;         /* when `tokens` was last brought up to date (ns, CLOCK_MONOTONIC) */
+    uint64_t held;         /* the backlog: length of the op at the head of the queue, refused
+                              for want of tokens or next behind the one that went; 0: none */
+    int refused;           /* the head was refused tokens, first at refused_since */
+    int64_t refused_since;
+    uint64_t throttled_ns; /* finished waits for tokens, summed */
+};
+
+#define NO_TIME INT64_MAX
+#define MIN_BURST (1ull << 20)     /* the default burst: max(MIN_BURST, rate / BURST_DIV), */
+#define BURST_DIV 50               /* i.e. 20 ms of the rate */
+#define QUANTUM_NS 1000000ll       /* held ops are released at most once a millisecond */
+#define MAX_HOLD_NS 3600000000000ll /* wake up at least hourly, whatever the cap */
+#define TOKEN_SLACK 1e-3           /* bytes; far above the tokens' floating-point error */
+#define CATCH_UP_S 0.1             /* seconds of lateness a held queue may make up */
+
 struct tba_engine {
     int kind;
     pid_t owner; /* the process that opened it: a forked child must not touch the shared ring */
@@ -265,7 +296,13 @@ struct tba_engine {
     int shutdown, stop, wake_pending;
     uint64_t outstanding;       /* submitted and not yet returned by reap */
     uint32_t inflight;          /* io_uring: ops the kernel has (or will have at the next enter) */
-    struct op *pend_head, *pend_tail; /* waiting for a ring slot or a worker */
+    struct op *pend_head[2], *pend_tail[2]; /* per direction: waiting for tokens, a ring slot
+                                               or a worker */
+    uint64_t npend[2];
+    uint64_t next_seq;
+    struct bucket bucket[2];    /* indexed by TBA_OP_READ / TBA_OP_WRITE */
+    int64_t reap_timer;         /* io_uring: the reaper sleeps at most until then (NO_TIME) */
+    int64_t worker_timer;       /* threads: an idle worker wakes up then (NO_TIME: none does) */
     struct op *done_head, *done_tail; /* finished, not yet reaped */
 
     struct file_ent *files;
@@ -349,11 +386,17 @@ static void sleep_ms(unsigned ms)
     }
 }
 
-static int64_t now_ms(void)
+static int64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static struct timespec ns_to_timespec(int64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+    return ts;
 }
 
 /* The next injection rule for `code`, consumed (lock held). Returns its kind, 0 for none. */
@@ -476,6 +519,144 @@ static void wake_reaper(struct tba_engine *e)
             rc = write(e->event_fd, &one, sizeof one);
         } while (rc < 0 && errno == EINTR);
     }
+}
+
+/* -- bandwidth caps ------------------------------------------------------------------------ */
+
+static uint64_t default_burst(uint64_t rate)
+{
+    uint64_t b = rate / BURST_DIV;
+    return b > MIN_BURST ? b : MIN_BURST;
+}
+
+/* Adds the tokens accrued since the last update (lock held). During a backlog the bucket may
+ * hold the head op's length even when it exceeds the burst, plus CATCH_UP_S of the rate, so
+ * that releasing it late (a descheduled reaper or worker) does not lose the time. */
+static void bucket_fill(struct bucket *b, int64_t now)
+{
+    if (now <= b->stamp)
+        return;
+    double ceiling = (double)(b->held > b->burst ? b->held : b->burst);
+    if (b->held)
+        ceiling += (double)b->rate * CATCH_UP_S; /* a late release is made up, idle time not */
+    b->tokens += (double)(now - b->stamp) * (double)b->rate * 1e-9;
+    if (b->tokens > ceiling)
+        b->tokens = ceiling; /* every time: catch-up credit does not outlive its backlog */
+    b->stamp = now;
+}
+
+/* The head op is no longer held (it went, or the cap went): count its wait (lock held). */
+static void bucket_unhold(struct bucket *b, int64_t now)
+{
+    if (b->refused) {
+        if (now > b->refused_since)
+            b->throttled_ns += (uint64_t)(now - b->refused_since);
+        b->refused = 0;
+    }
+    b->held = 0;
+}
+
+/* When the held head may go at the current rate (lock held; the bucket is up to date). */
+static int64_t bucket_due(const struct bucket *b, uint64_t n, int64_t now)
+{
+    double wait = ((double)n - b->tokens) * 1e9 / (double)b->rate;
+    if (wait < 0)
+        wait = 0;
+    return now + (wait < (double)MAX_HOLD_NS ? (int64_t)wait + 1 : MAX_HOLD_NS);
+}
+
+/* Whether an op of n bytes may go now. If so, takes its tokens, carries the backlog on to the
+ * op of `then` bytes queued behind it (0: none) and returns 1; else marks it as held, sets *due
+ * to when it may go, and returns 0 (lock held, capped bucket). TOKEN_SLACK absorbs the
+ * rounding of the floating-point tokens. */
+static int bucket_take(struct bucket *b, uint64_t n, uint64_t then, int64_t now, int64_t *due)
+{
+    bucket_fill(b, now);
+    if (b->tokens + TOKEN_SLACK >= (double)n) {
+        b->tokens -= (double)n;
+        bucket_unhold(b, now);
+        b->held = then;
+        return 1;
+    }
+    b->held = n;
+    if (!b->refused) {
+        b->refused = 1;
+        b->refused_since = now;
+    }
+    *due = bucket_due(b, n, now);
+    return 0;
+}
+
+static void pend_push(struct tba_engine *e, struct op *op, int front)
+{
+    int d = op->code;
+    if (front)
+        queue_push_front(&e->pend_head[d], &e->pend_tail[d], op);
+    else
+        queue_push(&e->pend_head[d], &e->pend_tail[d], op);
+    e->npend[d]++;
+}
+
+static int pend_any(const struct tba_engine *e)
+{
+    return e->pend_head[TBA_OP_READ] || e->pend_head[TBA_OP_WRITE];
+}
+
+/* Takes the next op to hand to the kernel or a worker (lock held): the older of the two queue
+ * heads whose bucket pays for it now. NULL when neither may go; then *due is the earliest time a
+ * head held by its cap may go (NO_TIME: none is held). After shutdown the caps are ignored. */
+static struct op *pend_next(struct tba_engine *e, int64_t *due)
+{
+    *due = NO_TIME;
+    int first = TBA_OP_READ;
+    const struct op *r = e->pend_head[TBA_OP_READ], *w = e->pend_head[TBA_OP_WRITE];
+    if (w && (!r || w->seq < r->seq))
+        first = TBA_OP_WRITE;
+    int64_t now = 0;
+    for (int i = 0; i < 2; i++) {
+        int d = i == 0 ? first : 1 - first;
+        struct op *op = e->pend_head[d];
+        if (!op)
+            continue;
+        struct bucket *b = &e->bucket[d];
+        if (!op->admitted && b->rate && !e->shutdown) {
+            int64_t when = NO_TIME;
+            if (!now)
+                now = now_ns();
+            if (!bucket_take(b, op->len, op->next ? op->next->len : 0, now, &when)) {
+                if (when < *due)
+                    *due = when;
+                continue;
+            }
+        }
+        op->admitted = 1;
+        e->npend[d]--;
+        return queue_pop(&e->pend_head[d], &e->pend_tail[d]);
+    }
+    return NULL;
+}
+
+/* The earliest time a queue head held by its cap will have its tokens, or NO_TIME (lock held). */
+static int64_t hold_due(struct tba_engine *e)
+{
+    int64_t due = NO_TIME, now = 0;
+    if (e->shutdown)
+        return NO_TIME;
+    for (int d = 0; d < 2; d++) {
+        struct bucket *b = &e->bucket[d];
+        if (!b->rate || !b->held || !e->pend_head[d])
+            continue;
+        if (!now)
+            now = now_ns();
+        bucket_fill(b, now);
+        uint64_t n = e->pend_head[d]->len;
+        if (b->tokens + TOKEN_SLACK >= (double)n)
+            continue; /* paid for, and waiting for a ring slot: a completion frees one */
+        int64_t when = bucket_due(b, n, now);
+        if (when < due)
+            due = when;
+    }
+    return due;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -758,12 +939,16 @@ static void sq_flush(struct tba_engine *e)
     }
 }
 
-/* Pushes queued ops into free ring slots, up to depth in flight (lock held). */
+/* Pushes queued ops into free ring slots, up to depth in flight and as far as the caps allow
+ * (lock held). */
 static int sq_refill(struct tba_engine *e)
 {
     int pushed = 0;
-    while (e->pend_head && e->inflight < e->depth && sq_space(e) > 0) {
-        struct op *op = queue_pop(&e->pend_head, &e->pend_tail);
+    int64_t due;
+    while (pend_any(e) && e->inflight < e->depth && sq_space(e) > 0) {
+        struct op *op = pend_next(e, &due);
+        if (!op)
+            break; /* the heads wait for tokens: the reaper's timer releases them */
         e->inflight++;
         sq_push(e, op);
         pushed++;
@@ -773,7 +958,7 @@ static int sq_refill(struct tba_engine *e)
 
 static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, int timeout_ms)
 {
-    int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : 0;
+    int64_t deadline = timeout_ms > 0 ? now_ns() + (int64_t)timeout_ms * 1000000 : NO_TIME;
     for (;;) {
         int n = 0, finished = 0;
         struct op *retry = NULL, *retry_tail = NULL, *gone = NULL;
@@ -812,7 +997,7 @@ static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, 
                 pushed++;
             } else { /* cannot happen with inflight <= depth <= SQ entries; be safe anyway */
                 e->inflight--;
-                queue_push_front(&e->pend_head, &e->pend_tail, op);
+                pend_push(e, op, 1); /* admitted already: its tokens are not charged again */
             }
         }
         pushed += sq_refill(e);
@@ -824,6 +1009,10 @@ static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, 
         if (woken)
             e->wake_pending = 0;
         unsigned sq_flags = __atomic_load_n(e->sq_flags, __ATOMIC_ACQUIRE);
+        /* Ops held by a cap are released by this thread: it sleeps no longer than until the
+         * first of them may go. submit() wakes it if a new op must go sooner. */
+        int64_t release = hold_due(e);
+        e->reap_timer = release;
         pthread_mutex_unlock(&e->lock);
 
         while (gone) {
@@ -843,15 +1032,23 @@ static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, 
         }
         if (__atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE) != head)
             continue;
-        int wait = -1;
-        if (timeout_ms > 0) {
-            int64_t left = deadline - now_ms();
-            if (left <= 0)
-                return 0;
-            wait = (int)left;
+        int64_t now = now_ns();
+        if (deadline != NO_TIME && deadline <= now)
+            return 0;
+        int64_t until = deadline;
+        if (release != NO_TIME) {
+            if (release < now + QUANTUM_NS)
+                release = now + QUANTUM_NS; /* release in batches, not one wake-up per op */
+            if (release < until)
+                until = release;
+        }
+        struct timespec ts, *wait = NULL;
+        if (until != NO_TIME) {
+            ts = ns_to_timespec(until - now);
+            wait = &ts;
         }
         struct pollfd pfd[2] = {{e->ring_fd, POLLIN, 0}, {e->event_fd, POLLIN, 0}};
-        int rc = poll(pfd, 2, wait);
+        int rc = ppoll(pfd, 2, wait, NULL);
         if (rc < 0 && errno != EINTR)
             sleep_ms(1);
         if (rc > 0 && (pfd[1].revents & POLLIN)) {
@@ -994,16 +1191,35 @@ static void run_op(struct tba_engine *e, struct op *op)
     }
 }
 
+/* Idle workers take the next op the caps allow. When the queue heads wait for tokens, one idle
+ * worker sleeps until the first may go (worker_timer) and the others until they are signalled;
+ * a worker that takes an op signals the next one, which then looks at what is left. */
 static void *worker(void *arg)
 {
     struct tba_engine *e = arg;
     pthread_mutex_lock(&e->lock);
     for (;;) {
-        while (!e->pend_head && !e->stop)
-            pthread_cond_wait(&e->work_cv, &e->lock);
-        struct op *op = queue_pop(&e->pend_head, &e->pend_tail);
-        if (!op)
-            break; /* stop, and nothing left */
+        int64_t due;
+        struct op *op = pend_next(e, &due);
+        if (!op) {
+            if (e->stop && !pend_any(e))
+                break; /* stop, and nothing left */
+            if (due != NO_TIME && due < e->worker_timer) {
+                int64_t now = now_ns();
+                if (due < now + QUANTUM_NS)
+                    due = now + QUANTUM_NS; /* release in batches, not one wake-up per op */
+                e->worker_timer = due;
+                struct timespec at = ns_to_timespec(due);
+                pthread_cond_timedwait(&e->work_cv, &e->lock, &at);
+                if (e->worker_timer == due)
+                    e->worker_timer = NO_TIME;
+            } else {
+                pthread_cond_wait(&e->work_cv, &e->lock);
+            }
+            continue;
+        }
+        if (pend_any(e))
+            pthread_cond_signal(&e->work_cv);
         op->fd = e->files[op->handle].fd;
         pthread_mutex_unlock(&e->lock);
         run_op(e, op);
@@ -1127,6 +1343,7 @@ int tba_engine_open(const struct tba_engine_config *cfg, struct tba_engine **out
         return -ENOMEM;
     e->ring_fd = e->event_fd = -1;
     e->owner = getpid();
+    e->reap_timer = e->worker_timer = NO_TIME;
     e->depth = cfg->depth < MAX_DEPTH ? cfg->depth : MAX_DEPTH;
     e->max_again = cfg->max_again ? cfg->max_again : 16;
     e->max_stalls = cfg->max_stalls ? cfg->max_stalls : 8;
@@ -1196,6 +1413,24 @@ int tba_engine_info(struct tba_engine *e, struct tba_engine_info *info)
     info->threads = e->nthreads;
     info->buffer_bytes = e->buffer_bytes;
     info->outstanding = e->outstanding;
+    int64_t now = now_ns();
+    for (int d = 0; d < 2; d++) {
+        const struct bucket *b = &e->bucket[d];
+        uint64_t throttled = b->throttled_ns;
+        if (b->refused && now > b->refused_since)
+            throttled += (uint64_t)(now - b->refused_since); /* the wait going on now */
+        if (d == TBA_OP_READ) {
+            info->rate_read = b->rate;
+            info->burst_read = b->burst;
+            info->throttle_ns_read = throttled;
+            info->queued_read = e->npend[d];
+        } else {
+            info->rate_write = b->rate;
+            info->burst_write = b->burst;
+            info->throttle_ns_write = throttled;
+            info->queued_write = e->npend[d];
+        }
+    }
     pthread_mutex_unlock(&e->lock);
     info->ops_fixed = __atomic_load_n(&e->ops_fixed, __ATOMIC_RELAXED);
     info->ops_plain = __atomic_load_n(&e->ops_plain, __ATOMIC_RELAXED);
@@ -1355,15 +1590,24 @@ int tba_engine_submit(struct tba_engine *e, int code, int handle, void *buf, uin
         return rc;
     }
     e->outstanding++;
+    op->seq = e->next_seq++;
+    pend_push(e, op, 0);
+    int wake = 0;
     if (e->kind == TBA_KIND_IO_URING) {
-        queue_push(&e->pend_head, &e->pend_tail, op);
         if (sq_refill(e))
             sq_flush(e);
+        /* A head held by a cap may need the reaper sooner than it planned to wake up. */
+        int64_t release = hold_due(e);
+        if (release < e->reap_timer) {
+            e->reap_timer = release;
+            wake = 1;
+        }
     } else {
-        queue_push(&e->pend_head, &e->pend_tail, op);
         pthread_cond_signal(&e->work_cv);
     }
     pthread_mutex_unlock(&e->lock);
+    if (wake)
+        wake_reaper(e);
     return 0;
 }
 
@@ -1380,12 +1624,58 @@ int tba_engine_reap(struct tba_engine *e, struct tba_completion *out, int max, i
     return rc;
 }
 
-/* Sets *flag under the lock, then wakes whoever waits in reap (either mode). */
+/* Sets *flag under the lock, then wakes whoever waits in reap (either mode), and the idle
+ * workers (after shutdown they release what the caps held). */
 static int raise_flag(struct tba_engine *e, int *flag)
 {
     pthread_mutex_lock(&e->lock);
     *flag = 1;
+    if (flag == &e->shutdown) {
+        int64_t now = now_ns();
+        bucket_unhold(&e->bucket[TBA_OP_READ], now);
+        bucket_unhold(&e->bucket[TBA_OP_WRITE], now);
+    }
     pthread_cond_broadcast(&e->done_cv);
+    pthread_cond_broadcast(&e->work_cv);
+    pthread_mutex_unlock(&e->lock);
+    wake_reaper(e);
+    return 0;
+}
+
+int tba_engine_set_rate(struct tba_engine *e, int code, uint64_t rate, uint64_t burst)
+{
+    if (!e || (code != TBA_OP_READ && code != TBA_OP_WRITE))
+        return -EINVAL;
+    if (getpid() != e->owner)
+        return -ECHILD; /* releasing ops would touch the parent's ring */
+    pthread_mutex_lock(&e->lock);
+    struct bucket *b = &e->bucket[code];
+    int64_t now = now_ns();
+    if (b->rate)
+        bucket_fill(b, now); /* what accrued so far accrued at the old rate */
+    if (!rate) {
+        bucket_unhold(b, now);
+        *b = (struct bucket){.throttled_ns = b->throttled_ns};
+    } else {
+        uint64_t size = burst ? burst : default_burst(rate);
+        if (!b->rate) {
+            b->tokens = (double)size; /* a new cap starts with a full bucket */
+        } else {
+            double ceiling = (double)(b->held > size ? b->held : size);
+            if (b->tokens > ceiling)
+                b->tokens = ceiling;
+        }
+        b->rate = rate;
+        b->burst = size;
+        b->stamp = now;
+    }
+    /* Re-time what is queued: release what may go now; the reaper and the workers recompute
+     * their timers when woken. */
+    if (e->kind == TBA_KIND_IO_URING && sq_refill(e))
+        sq_flush(e);
+    e->reap_timer = NO_TIME;
+    e->worker_timer = NO_TIME;
+    pthread_cond_broadcast(&e->work_cv);
     pthread_mutex_unlock(&e->lock);
     wake_reaper(e);
     return 0;

@@ -19,10 +19,19 @@
  * the ring with its parent): elsewhere those return -ECHILD, and tba_engine_close only releases
  * the child's own copies of the mappings and fds.
  *
- * Threads: tba_engine_submit, add/remove_file, register/unregister_buffer, inject, info, wake and
- * shutdown may be called from any thread at any time. tba_engine_reap is meant for one reaper
- * thread (concurrent callers are serialised). tba_engine_close must not race with any other call
- * on the same engine.
+ * Bandwidth caps: tba_engine_set_rate caps reads or writes at a rate in bytes per second, with
+ * a token bucket per direction. An op leaves the engine's queue for the kernel (or a worker
+ * thread) only once its direction's bucket holds its whole length; until then it waits, in
+ * submission order, and submitting still never blocks. Reads and writes queue apart, so a
+ * capped direction never holds back the other. An op longer than the burst is never split and
+ * never runs the bucket into debt: while it waits at the head of its queue the bucket may fill
+ * up to its length. While ops are queued the bucket may also keep 100 ms of the rate beyond
+ * that, so a late release is made up. See native/README.md, "Bandwidth caps".
+ *
+ * Threads: tba_engine_submit, add/remove_file, register/unregister_buffer, inject, info, wake,
+ * set_rate and shutdown may be called from any thread at any time. tba_engine_reap is meant for
+ * one reaper thread (concurrent callers are serialised). tba_engine_close must not race with any
+ * other call on the same engine.
  */
 #ifndef TBA_ENGINE_H
 #define TBA_ENGINE_H
@@ -33,7 +42,7 @@
 extern "C" {
 #endif
 
-#define TBA_ENGINE_ABI 1
+#define TBA_ENGINE_ABI 2
 
 /* Operations, for tba_engine_submit (READ, WRITE) and tba_engine_inject (all four). */
 enum tba_op {
@@ -113,6 +122,17 @@ struct tba_engine_info {
     uint64_t resubmit_again;     /* resubmissions after EAGAIN / EINTR / ECANCELED */
     uint64_t injected;           /* attempts changed by an injection rule */
     uint64_t outstanding;        /* ops submitted and not yet returned by reap */
+    /* Bandwidth caps (ABI 2). */
+    uint64_t rate_read;          /* bytes per second; 0: no cap */
+    uint64_t rate_write;
+    uint64_t burst_read;         /* bytes the bucket holds at most (0 when there is no cap) */
+    uint64_t burst_write;
+    uint64_t throttle_ns_read;   /* total time an op waited at the head of its queue for tokens,
+                                    the current wait included; the waits never overlap */
+    uint64_t throttle_ns_write;
+    uint64_t queued_read;        /* ops submitted and not yet handed to the kernel or a worker
+                                    (waiting for tokens, or for a free slot) */
+    uint64_t queued_write;
 };
 
 struct tba_completion {
@@ -158,6 +178,17 @@ int tba_engine_submit(struct tba_engine *eng, int op, int handle, void *buf, uin
  * tba_engine_shutdown was called and every op submitted before it has been returned. */
 int tba_engine_reap(struct tba_engine *eng, struct tba_completion *out, int max, int timeout_ms);
 
+/* Caps op (TBA_OP_READ or TBA_OP_WRITE) at bytes_per_sec (0: no cap) with a bucket of burst
+ * bytes (0: the default, max(1 MiB, 20 ms of the rate)). Takes effect at once, also for ops
+ * already queued: a lower rate holds them longer, removing the cap releases them. A new cap
+ * starts with a full bucket; changing a cap keeps the tokens (at most the new burst).
+ * In io_uring mode the ops held by a cap are released by tba_engine_reap, which sleeps no
+ * longer than until the next one may go, and by tba_engine_submit; keep a reaper in reap (or
+ * call it with timeout 0 now and then). In threads mode the idle workers release them.
+ * tba_engine_shutdown lifts both caps: what is still queued then goes at full speed.
+ * -EINVAL for another op, -ECHILD in a forked child. */
+int tba_engine_set_rate(struct tba_engine *eng, int op, uint64_t bytes_per_sec, uint64_t burst);
+
 /* Makes a blocked (or the next) tba_engine_reap return 0. */
 int tba_engine_wake(struct tba_engine *eng);
 
@@ -166,7 +197,8 @@ int tba_engine_wake(struct tba_engine *eng);
  * 8 per op). -ENOSPC when the queue is full. */
 int tba_engine_inject(struct tba_engine *eng, int op, int kind, int64_t value, int count);
 
-/* Refuses new ops and wakes the reaper, which returns the remaining ones then -ESHUTDOWN. */
+/* Refuses new ops, lifts the bandwidth caps (ops waiting for tokens go at once) and wakes the
+ * reaper, which returns the remaining ones then -ESHUTDOWN. */
 int tba_engine_shutdown(struct tba_engine *eng);
 
 /* Shuts down, waits for every op still in flight (discarding results no one reaped), and frees

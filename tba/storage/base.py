@@ -15,6 +15,11 @@ Contract (the cache relies on each line):
   StorageError(EBADMSG) on mismatch.
 - ``free(extent)`` returns the space at once; it is only called once no I/O on it is in flight.
 - ``close()`` waits for in-flight I/O, closes every file and removes the process directory.
+- ``set_rate(op, bps)`` caps "write" or "read" at ``bps`` bytes per second (None: no cap) from
+  now on, as ``TBA_MAX_WRITE_BPS`` / ``TBA_MAX_READ_BPS`` do at construction. Capped ops wait for
+  tokens on the I/O side; ``write``/``read`` still return at once. ``usage()`` has
+  ``throttle_seconds_write`` / ``_read`` (floats), and ``reason`` names the caps in force. See
+  NOTE [Rate caps] in ratelimit.py.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class Backend(Protocol):
         self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
     ) -> Future: ...
 
-    def usage(self) -> dict[str, int]: ...
+    def set_rate(self, op: str, bps: int | None, *, burst: int | None = None) -> None: ...
+
+    def usage(self) -> dict[str, int | float]: ...
 
     def close(self) -> None: ...

@@ -34,9 +34,9 @@ class BufferedBackend(SlabBackend):
         self._fadvise = os.posix_fadvise
         super().__init__(cfg)
 
-    def probe_summary(self) -> str:
+    def _describe(self) -> str:
         return (
-            super().probe_summary()
+            super()._describe()
             + f"; page cache bounded by fdatasync+DONTNEED every {self.sync_bytes >> 20} MiB"
         )
 

@@ -9,6 +9,9 @@ NOTE [Transfers]
 3. The syscalls are instance attributes (``_pwrite``, ``_preadv``, ``_fallocate``,
    ``_statvfs``), looked up on every call, so a test can inject short transfers and errors.
 4. Checksums run on the I/O thread: ``write`` resolves to the digest, ``read`` checks ``expect``.
+5. Bandwidth caps (NOTE [Rate caps] in ratelimit.py): a capped direction's ops wait for their
+   tokens in that direction's :class:`Pacer`, which then hands them to the pool; ``write`` and
+   ``read`` never wait, and the pool threads never sleep on tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..config import Config
 from ..errors import StorageError, hint_for
 from .base import Extent
 from .checksum import Digest, checksum_fn
+from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_rate, describe_caps
 from .slab import Slab, SlabSet, open_unnamed
 from .spilldir import SpillDir
 from .statx import dio_alignment, fs_type, io_alignment
@@ -42,7 +46,15 @@ def _address(buf: memoryview) -> int:
     return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
-def _release(pool: ThreadPoolExecutor, slabs: SlabSet, spill: SpillDir) -> None:
+def _release(
+    pool: ThreadPoolExecutor,
+    slabs: SlabSet,
+    spill: SpillDir,
+    limits: tuple[tuple[TokenBucket, Pacer], ...] = (),
+) -> None:
+    for bucket, pacer in limits:
+        bucket.drain()  # ops waiting for tokens go now, not at the capped rate
+        pacer.close(wait=False)
     pool.shutdown(wait=False)
     slabs.close()
     spill.close()
@@ -65,6 +77,11 @@ class SlabBackend:
         self._stats = dict.fromkeys(_STAT_KEYS, 0)
         self._stats_lock = threading.Lock()
         self._closed = False
+        # Per direction: the cap in force as (bytes per second, burst), None when uncapped; the
+        # token bucket and the pacer (made with the pool) that apply it. The native engine
+        # applies caps itself and leaves these two unused.
+        self._caps: dict[str, tuple[int, int] | None] = dict.fromkeys(DIRECTIONS)
+        self._buckets = {op: TokenBucket() for op in DIRECTIONS}
         self._spill = SpillDir(cfg.spill_dir, cfg.rank)
         try:
             self.dio, self.alignment = self._probe()
@@ -84,8 +101,17 @@ class SlabBackend:
             cfg.min_free_bytes,
         )
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tba-io")
+        self._pacers = {
+            op: Pacer(self._buckets[op], self._pool, f"tba-{op}-pacer") for op in DIRECTIONS
+        }
+        limits = tuple((self._buckets[op], self._pacers[op]) for op in DIRECTIONS)
         # Closes files and removes the directory if the backend is dropped without close().
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._slabs, self._spill)
+        self._finalizer = weakref.finalize(
+            self, _release, self._pool, self._slabs, self._spill, limits
+        )
+        for op, bps in (("write", cfg.max_write_bps), ("read", cfg.max_read_bps)):
+            if bps:
+                self._caps[op] = self._apply_rate(op, bps, None)
         self.reason = f"{self.name}: {self.probe_summary()}"
 
     @property
@@ -94,11 +120,53 @@ class SlabBackend:
         return self._spill.path
 
     def probe_summary(self) -> str:
+        """What the probe found and how I/O runs, then the bandwidth caps in force, if any."""
+        caps = describe_caps(self._caps)
+        return f"{self._describe()}; {caps}" if caps else self._describe()
+
+    def _describe(self) -> str:
         m, o = self.dio
         return (
             f"{self.mode} write+read probe passed on {self.fs} at {self._spill.root} "
             f"(dio align {m}/{o}, using {self.alignment})"
         )
+
+    def _refresh_reason(self, before: str) -> None:
+        # Keep the prefix open_backend gave the reason ("auto: ", "TBA_BACKEND=native: ").
+        self.reason = self.reason.replace(before, self.probe_summary())
+
+    # -- bandwidth caps ---------------------------------------------------------------------
+    @property
+    def caps(self) -> dict[str, int | None]:
+        """The cap of each direction in bytes per second, None when uncapped."""
+        return {op: cap[0] if cap else None for op, cap in self._caps.items()}
+
+    def set_rate(self, op: str, bps: int | None, *, burst: int | None = None) -> None:
+        """Cap ``op`` ("write" or "read") at ``bps`` bytes per second from now on; None or 0
+        removes the cap. ``burst``: the bucket's size in bytes (default: 20 ms of the rate, at
+        least 1 MiB). Ops already waiting are re-timed at once; removing the cap releases them.
+        See NOTE [Rate caps] in tba/storage/ratelimit.py."""
+        if op not in DIRECTIONS:
+            raise ValueError(f"tba.storage: set_rate({op!r}): the op is 'write' or 'read'")
+        bps = check_rate(bps)
+        if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int)):
+            raise ValueError(f"tba.storage: a burst is a whole number of bytes, not {burst!r}")
+        if burst is not None and burst < 1:
+            raise ValueError(f"tba.storage: a burst must be at least 1 byte, not {burst}")
+        if self._closed:
+            raise ValueError(f"tba.storage: set_rate() on a closed {self.name} backend")
+        before = self.probe_summary()
+        self._caps[op] = self._apply_rate(op, bps, burst)
+        self._refresh_reason(before)
+
+    def _apply_rate(self, op: str, bps: int | None, burst: int | None) -> tuple[int, int] | None:
+        """Put the cap in force; returns (rate, burst in force), or None without a cap."""
+        bucket = self._buckets[op]
+        bucket.set_rate(bps, burst)
+        return (bps, bucket.burst or 0) if bps else None
+
+    def _throttle_seconds(self) -> dict[str, float]:
+        return {op: self._buckets[op].throttled_seconds for op in DIRECTIONS}
 
     def _probe(self) -> tuple[tuple[int, int], int]:
         """Write a page of random bytes to a nameless file, read it back, compare."""
@@ -254,22 +322,33 @@ class SlabBackend:
     def free(self, extent: Extent) -> None:
         self._slabs.free(extent)
 
+    def _submit(self, op: str, nbytes: int, job, *args) -> Future:
+        """Run ``job`` on the pool: at once, or through the direction's pacer while a cap (or
+        an op queued under one) is there."""
+        pacer = self._pacers[op]
+        if pacer.idle and self._buckets[op].rate is None:
+            return self._pool.submit(job, *args)
+        return pacer.submit(nbytes, job, *args)
+
     def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future:
         digest = checksum_fn(checksum)
         slab = self._check(extent, buf)
-        return self._pool.submit(self._write_job, slab, extent.offset, buf, digest)
+        return self._submit("write", len(buf), self._write_job, slab, extent.offset, buf, digest)
 
     def read(
         self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
     ) -> Future:
         digest = checksum_fn(checksum)
         slab = self._check(extent, buf)
-        return self._pool.submit(self._read_job, slab, extent.offset, buf, checksum, digest, expect)
+        return self._submit(
+            "read", len(buf), self._read_job, slab, extent.offset, buf, checksum, digest, expect
+        )
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, int | float]:
         s = self._slabs
         with self._stats_lock:
             stats = dict(self._stats)
+        throttled = self._throttle_seconds()
         return {
             "disk_bytes_in_use": s.used,
             "slab_bytes": s.reserved,
@@ -278,6 +357,8 @@ class SlabBackend:
             "refused_space": s.refused_space,
             "refused_error": s.refused_error,
             **stats,
+            "throttle_seconds_write": throttled["write"],
+            "throttle_seconds_read": throttled["read"],
             "alignment": self.alignment,
         }
 
@@ -286,6 +367,9 @@ class SlabBackend:
         if self._closed:
             return
         self._closed = True
+        for op in DIRECTIONS:
+            self._buckets[op].drain()  # ops waiting for tokens go now, not at the capped rate
+            self._pacers[op].close()  # ... into the pool, before it stops taking jobs
         self._pool.shutdown(wait=True)  # in-flight transfers finish before their fds close
         self._finalizer()
 

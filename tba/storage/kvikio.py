@@ -558,7 +558,7 @@ class KvikioBackend(SlabBackend):
         self._device_probe = "passed"
         self.device_direct = self._facts.gds
 
-    def probe_summary(self) -> str:
+    def _describe(self) -> str:
         m, o = self.dio
         if self.device_direct:
             path = "GDS: device buffers go straight between GPU memory and the drive"
@@ -666,7 +666,7 @@ class KvikioBackend(SlabBackend):
             return super().write(extent, _host_view(buf), checksum)
         digest = _via_host(checksum_fn(checksum))
         slab = self._check(extent, view)
-        return self._pool.submit(self._write_job, slab, extent.offset, view, digest)
+        return self._submit("write", len(view), self._write_job, slab, extent.offset, view, digest)
 
     def read(
         self, extent: Extent, buf: Any, checksum: str = "off", expect: int | None = None
@@ -678,8 +678,8 @@ class KvikioBackend(SlabBackend):
             raise ValueError("tba.storage: cannot read into a read-only device buffer")
         digest = _via_host(checksum_fn(checksum))
         slab = self._check(extent, view)
-        return self._pool.submit(
-            self._read_job, slab, extent.offset, view, checksum, digest, expect
+        return self._submit(
+            "read", len(view), self._read_job, slab, extent.offset, view, checksum, digest, expect
         )
 
     def register(self, buf: Any) -> bool:

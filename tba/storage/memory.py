@@ -2,6 +2,10 @@
 
 Each extent is an aligned host buffer; ``write`` and ``read`` are synchronous copies whose
 futures are already resolved. It measures what offloading costs over keeping tensors in RAM.
+
+Bandwidth caps (TBA_MAX_WRITE_BPS / TBA_MAX_READ_BPS, ``set_rate``) are accepted, shown in
+``reason`` and ignored: nothing goes to a disk, and throttling the baseline's memory copies would
+only blur what it measures. ``throttle_seconds_*`` stay 0.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ..config import Config
 from ..errors import StorageError, TBAError
 from .base import Extent
 from .checksum import checksum_fn
+from .ratelimit import DIRECTIONS, check_rate, format_rate
 
 __all__ = ["MemoryBackend"]
 
@@ -40,7 +45,8 @@ class MemoryBackend:
 
     def __init__(self, cfg: Config):
         checksum_fn(cfg.checksum)
-        self.reason = "memory: saved tensors stay in host memory; nothing is written to disk"
+        self._caps: dict[str, int | None] = {"write": cfg.max_write_bps, "read": cfg.max_read_bps}
+        self.reason = f"memory: {self._summary()}"
         self._bufs: dict[int, torch.Tensor] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -49,6 +55,27 @@ class MemoryBackend:
             ("bytes_written", "bytes_read", "writes", "reads", "io_errors", "checksum_errors"), 0
         )
         self._closed = False
+
+    def _summary(self) -> str:
+        text = "saved tensors stay in host memory; nothing is written to disk"
+        ignored = [f"{op} cap of {format_rate(bps)}" for op, bps in self._caps.items() if bps]
+        if ignored:
+            text += f"; {' and '.join(ignored)} ignored (no disk I/O)"
+        return text
+
+    @property
+    def caps(self) -> dict[str, int | None]:
+        """The caps set, in bytes per second; recorded, never applied."""
+        return dict(self._caps)
+
+    def set_rate(self, op: str, bps: int | None, *, burst: int | None = None) -> None:
+        """Record a cap, as the disk backends take it; the memory backend does not apply it."""
+        if op not in DIRECTIONS:
+            raise ValueError(f"tba.storage: set_rate({op!r}): the op is 'write' or 'read'")
+        bps = check_rate(bps)
+        before = self._summary()
+        self._caps[op] = bps
+        self.reason = self.reason.replace(before, self._summary())
 
     def allocate(self, nbytes: int) -> Extent | None:
         if nbytes < 0:
@@ -128,7 +155,7 @@ class MemoryBackend:
         self._count(reads=1, bytes_read=len(buf))
         return _done()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, int | float]:
         with self._lock:
             return {
                 "disk_bytes_in_use": self._used,
@@ -138,6 +165,8 @@ class MemoryBackend:
                 "refused_space": 0,
                 "refused_error": 0,
                 **self._stats,
+                "throttle_seconds_write": 0.0,
+                "throttle_seconds_read": 0.0,
                 "alignment": self.alignment,
             }
 

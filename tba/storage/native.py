@@ -16,6 +16,10 @@ NOTE [Native engine]
    so a StorageError names the same offset and byte count as the posix backend's would.
 5. Slab fds join the engine (its registered file table) at a slab's first I/O and leave it when
    the slab set closes the slab, which only ``allocate`` does.
+6. Bandwidth caps live in the engine (``tba_engine_set_rate``): an op leaves the engine's
+   per-direction queue for the kernel or a worker only once its tokens have accrued, and the
+   reaper's reap call sleeps no longer than until the next one may go. Same rules as NOTE
+   [Rate caps] in ratelimit.py; the Python token buckets of SlabBackend are not used here.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ __all__ = ["NativeBackend", "NativeUnavailable", "engine_status"]
 
 log = logging.getLogger("tba.storage")
 
-_ABI = 1
+_ABI = 2
 _READ, _WRITE = 0, 1
 _OPS = {"read": 0, "write": 1, "register": 2, "files": 3}
 _KINDS = {"clear": 0, "short": 1, "fail": 2}
@@ -106,7 +110,9 @@ class _Info(ctypes.Structure):  # struct tba_engine_info
         + _fields(_U32, "buffers_registered threads")
         + _fields(
             _U64,
-            "buffer_bytes ops_fixed ops_plain resubmit_short resubmit_again injected outstanding",
+            "buffer_bytes ops_fixed ops_plain resubmit_short resubmit_again injected outstanding "
+            "rate_read rate_write burst_read burst_write throttle_ns_read throttle_ns_write "
+            "queued_read queued_write",
         )
     )
 
@@ -133,6 +139,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "tba_engine_reap": [_P, ctypes.POINTER(_Completion), _I, _I],
     "tba_engine_wake": [_P],
     "tba_engine_inject": [_P, _I, _I, ctypes.c_int64, _I],
+    "tba_engine_set_rate": [_P, _I, _U64, _U64],
     "tba_engine_shutdown": [_P],
     "tba_engine_close": [_P],
 }
@@ -331,6 +338,7 @@ class _Engine:
         self._ids = itertools.count(1)
         self._gate = threading.Lock()  # no C call may race with tba_engine_close
         self._closed = False
+        self._final: _Info | None = None  # the counters as they were at close
         self._thread = threading.Thread(target=self._run, name="tba-native-reaper", daemon=True)
         self._thread.start()
 
@@ -345,7 +353,8 @@ class _Engine:
 
     def info(self) -> _Info:
         info = _Info(size=ctypes.sizeof(_Info))
-        self.call("tba_engine_info", ctypes.byref(info))
+        if self.call("tba_engine_info", ctypes.byref(info)) < 0 and self._final is not None:
+            return self._final  # closed: the last counters still stand
         return info
 
     def submit(self, code: int, handle: int, buf: memoryview, offset: int, unit: int, req):
@@ -460,6 +469,7 @@ class _Engine:
             self._run()  # closed from a done-callback: finish the rest right here
         else:
             self._thread.join()
+        self._final = self.info()
         with self._gate:
             self.lib.tba_engine_close(self.eng)
             self.eng = None
@@ -583,8 +593,23 @@ class NativeBackend(SlabBackend):
             buffers = f"unregistered buffers ({self.buffer_reason})"
         return f"io_uring engine, depth {self.depth}, {files}, {buffers}"
 
-    def probe_summary(self) -> str:
-        return f"{self._engine_summary()}; {super().probe_summary()}"
+    def _describe(self) -> str:
+        return f"{self._engine_summary()}; {super()._describe()}"
+
+    # -- bandwidth caps, in the engine -----------------------------------------------------
+    def _apply_rate(self, op: str, bps: int | None, burst: int | None) -> tuple[int, int] | None:
+        code = _WRITE if op == "write" else _READ
+        rc = self._engine.call("tba_engine_set_rate", code, bps or 0, burst or 0)
+        if rc < 0:
+            raise ValueError(f"tba.storage: the native engine refused the cap: {_name(-rc)}")
+        if not bps:
+            return None
+        info = self._engine.info()
+        return bps, info.burst_write if op == "write" else info.burst_read
+
+    def _throttle_seconds(self) -> dict[str, float]:
+        info = self._engine.info()
+        return {"write": info.throttle_ns_write / 1e9, "read": info.throttle_ns_read / 1e9}
 
     # -- the probe goes through the engine -------------------------------------------------
     def _sync(self, code: int, fd: int, buf: memoryview, off: int, shown: str) -> None:
@@ -664,10 +689,6 @@ class NativeBackend(SlabBackend):
             self.registered_buffers = True
         self._refresh_reason(before)
         return rc >= 0
-
-    def _refresh_reason(self, before: str) -> None:
-        # Keep the prefix open_backend gave the reason ("auto: ", "TBA_BACKEND=native: ").
-        self.reason = self.reason.replace(before, self.probe_summary())
 
     def unregister(self, buf: Any) -> bool:
         """Undo :meth:`register`; only once no I/O on ``buf`` is in flight."""

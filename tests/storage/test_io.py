@@ -26,6 +26,8 @@ USAGE_KEYS = {
     "reads",
     "io_errors",
     "checksum_errors",
+    "throttle_seconds_write",
+    "throttle_seconds_read",
     "alignment",
 }
 
