@@ -6,9 +6,12 @@ turn), since disk and CPU speed drift over minutes; the figures are medians over
 
     python benchmarks/bench_step.py [--repeats 5] [--spill-dir /var/tmp] [--json out.json]
     python benchmarks/bench_step.py --backends native,posix   # one tba mode per backend
+    python benchmarks/bench_step.py --max-bps 100MB/s --keeps auto,0  # one mode per keep-K
 
-With ``--backends``, each named backend gets its own Offloader and its own interleaved mode
-(``tba:native``, ``tba:posix``), and the report adds their ratio.
+With ``--backends`` (or ``--keeps``), each value gets its own Offloader and its own interleaved
+mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``), and the report adds
+the ratio of the first two. ``--max-bps`` caps both directions (TBA_MAX_WRITE_BPS/READ_BPS) to
+emulate a slower disk.
 """
 
 from __future__ import annotations
@@ -54,19 +57,28 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=W1_MICRO_BATCH)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--backends", default="", help="e.g. native,posix: one tba mode per backend")
+    ap.add_argument("--keeps", default="", help="e.g. auto,0: one tba mode per TBA_KEEP_LAST")
+    ap.add_argument("--max-bps", default=None, help="cap on spill write and read, e.g. 100MB/s")
+    ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpointing mode")
     args = ap.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    tba_modes = [f"tba:{b}" for b in backends] or ["tba"]
-    modes = ["none", *tba_modes, "checkpoint"]
+    variants: dict[str, dict] = {}
+    for b in (b for b in args.backends.split(",") if b):
+        variants[f"tba:{b}"] = {"backend": b}
+    for k in (k for k in args.keeps.split(",") if k):
+        variants[f"tba:keep={k}"] = {"keep_last": k}
+    if not variants:
+        variants["tba"] = {}
+    if args.max_bps:
+        for v in variants.values():
+            v.update(max_write_bps=args.max_bps, max_read_bps=args.max_bps)
+    tba_modes = list(variants)
+    modes = ["none", *tba_modes] + ([] if args.no_checkpoint else ["checkpoint"])
 
     torch.manual_seed(0)
     model = GPT(W1)
     batch = random_batch(W1, args.batch)
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
-    offs = {
-        m: tba.Offloader(tba.Config(spill_dir=spill, **({"backend": b} if b else {})))
-        for m, b in zip(tba_modes, backends or [None])
-    }
+    offs = {m: tba.Offloader(tba.Config(spill_dir=spill, **v)) for m, v in variants.items()}
     times = {m: [] for m in modes}
     stats: dict[str, list] = {m: [] for m in tba_modes}
     losses = {m: set() for m in modes}
@@ -94,8 +106,8 @@ def main(argv=None) -> int:
         "workload": f"W1 micro-batch {args.batch}",
         "median_seconds": med,
         "tba_over_none": med[first] / med["none"],
-        "checkpoint_over_none": med["checkpoint"] / med["none"],
-        "tba_over_checkpoint": med[first] / med["checkpoint"],
+        "checkpoint_over_none": med["checkpoint"] / med["none"] if "checkpoint" in med else None,
+        "tba_over_checkpoint": med[first] / med["checkpoint"] if "checkpoint" in med else None,
         "saved_bytes": last["saved_bytes"],
         "peak_resident_bytes": max(s["peak_resident_bytes"] for s in later),
         "sync_loads_after_step_1": max(s["sync_loads"] for s in later),
@@ -111,6 +123,18 @@ def main(argv=None) -> int:
         },
     }
     res["peak_over_saved"] = res["peak_resident_bytes"] / res["saved_bytes"]
+    res["per_mode"] = {}
+    for m in tba_modes:
+        later_m = stats[m][1:] or stats[m]
+        res["per_mode"][m] = {
+            "over_none": med[m] / med["none"],
+            "paired": statistics.median(t / n for t, n in zip(times[m], times["none"])),
+            "keep_last": later_m[-1]["keep_last"],
+            "peak_over_saved": max(x["peak_resident_bytes"] for x in later_m)
+            / later_m[-1]["saved_bytes"],
+            "stall_median": statistics.median(x["stall_seconds"] for x in later_m),
+            "sync_loads_max": max(x["sync_loads"] for x in later_m),
+        }
     paired = [t / n for t, n in zip(times[first], times["none"])]
     res["tba_over_none_paired"] = statistics.median(paired)
     res["tba_over_none_range"] = (min(paired), max(paired))
@@ -138,7 +162,16 @@ def main(argv=None) -> int:
     if "backend_ratio" in res:
         r = res["backend_ratio"]
         print(f"{r['modes']} step time:  median {r['median']:.3f}, paired {r['paired']:.3f}")
-    print(f"{first} / checkpoint step time:   {res['tba_over_checkpoint']:.3f}")
+    if res["tba_over_checkpoint"] is not None:
+        print(f"{first} / checkpoint step time:   {res['tba_over_checkpoint']:.3f}")
+    for m in tba_modes:
+        later_m = stats[m][1:] or stats[m]
+        print(
+            f"{m}: keep_last {later_m[-1]['keep_last']}, peak/saved "
+            f"{max(x['peak_resident_bytes'] for x in later_m) / later_m[-1]['saved_bytes']:.3f}, "
+            f"stall median {statistics.median(x['stall_seconds'] for x in later_m):.3f} s, "
+            f"sync loads max {max(x['sync_loads'] for x in later_m)}"
+        )
     print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident / saved:           {res['peak_over_saved']:.3f}")
