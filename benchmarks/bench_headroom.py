@@ -1,0 +1,745 @@
+"""Batch headroom on W1: the largest micro-batch that fits under a memory cap, without and with tba.
+
+Each trial is a fresh child process that builds W1 (``tba.testing.GPT(W1)``), takes a random
+batch of B sequences and runs forward+backward twice, with no optimizer, as bench_step does (the
+second step is tba's steady state: it has a prefetch plan, and for ``TBA_KEEP_LAST=auto`` a
+keep decision). "Fits" means the child exits 0; "does not fit" means the kernel OOM-killed it
+in its cgroup, or torch raised an out-of-memory error. For each mode the batch size is searched
+exponentially (1, 2, 4, ...) and then by bisection.
+
+How the cap is enforced (``--mechanism``, default ``auto``: the first that works):
+
+- ``cgroup2``: a child cgroup of ours with ``memory.max`` = cap and ``memory.swap.max`` = 0;
+  the trial's process is moved into it before it execs Python. OOM kills are read from
+  ``memory.events``, the peak from ``memory.peak``.
+- ``cgroup1``: the same with the v1 memory controller: ``memory.limit_in_bytes`` and
+  ``memory.memsw.limit_in_bytes`` = cap (no swap), ``memory.swappiness`` = 0; OOM kills from
+  ``memory.oom_control``, the peak from ``memory.max_usage_in_bytes``.
+- ``rusage``: **no cap is enforced.** Every trial runs unconstrained and "fits" means its
+  peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) stayed under the cap. Used only when no memory
+  cgroup can be created; the output says so on every line that matters.
+
+RLIMIT_AS is not used: it limits virtual address space, and a torch process reserves far more
+than it touches (VmSize about 2x VmHWM for W1 at batch 1 here: thread stacks, malloc arenas, the
+staging pool before it is touched), so it would measure reservations rather than memory.
+
+What the cgroup charges: the trial's anonymous memory (tensors, the model, gradients, tba's
+staging pool and read-back buffers, the allocator's retained heap) and the page cache it
+faults in. tba writes its spill files with O_DIRECT, so they add no page cache; the page cache
+and dirty bytes charged to each trial's group are sampled every 50 ms and reported, so that
+claim is checked on every run. Shared-library pages already cached by another process stay
+charged to that process's cgroup, so the charge is below the child's RSS by roughly libtorch's
+resident text.
+
+    python benchmarks/bench_headroom.py                      # default cap, modes none,tba
+    python benchmarks/bench_headroom.py --cap 6GiB --modes none,tba,checkpoint
+    python benchmarks/bench_headroom.py --calibrate 4,8      # peak charge per mode, no cap
+    python benchmarks/bench_headroom.py --env MALLOC_MMAP_THRESHOLD_=1048576 --json out.json
+
+``--env`` sets a variable for every trial of every mode (e.g. a ``TBA_*`` setting, which only
+tba trials read, or a glibc malloc tunable, which all read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MiB = 1 << 20
+GiB = 1 << 30
+# Measured with --calibrate 4,8,12 (glibc malloc defaults): the baseline peaks at about 1190 MiB
+# charged at batch 8 and grows by about 115 MiB per sequence, so it fits 8 and not 9 here.
+DEFAULT_CAP = "1280MiB"
+RESULT_TAG = "HEADROOM_RESULT "
+EXIT_TRIAL_OOM = 3  # the trial caught an out-of-memory error from torch or Python
+MODES = ("none", "tba", "checkpoint")
+
+
+# -- the trial (child process) -----------------------------------------------------------------
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, MemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text
+    )
+
+
+def trial_main(mode: str, batch_size: int, steps: int, spill_root: str) -> int:
+    """One trial: W1 at ``batch_size``, ``steps`` forward+backward steps; one result line."""
+    out: dict = {"mode": mode, "batch": batch_size, "step_seconds": []}
+    off = None
+    try:
+        import torch
+
+        import tba
+        from tba.testing import GPT, W1, random_batch
+
+        torch.manual_seed(0)
+        model = GPT(W1)
+        batch = random_batch(W1, batch_size)
+        model.checkpoint_blocks = mode == "checkpoint"
+        if mode == "tba":
+            off = tba.Offloader(tba.Config(spill_dir=spill_root))
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            if off is not None:
+                with off.step(model):
+                    loss = model(*batch)
+            else:
+                loss = model(*batch)
+            loss.backward()
+            out["step_seconds"].append(time.perf_counter() - t0)
+            del loss
+        out["ok"] = True
+        if off is not None:
+            st = off.stats()
+            out["tba"] = {
+                k: st.get(k)
+                for k in (
+                    "saved_bytes",
+                    "peak_resident_bytes",
+                    "bytes_offloaded",
+                    "tensors_kept",
+                    "kept_reasons",
+                    "sync_loads",
+                    "backend",
+                    "keep_last",
+                    "keep_decision",
+                )
+                if k in st
+            }
+            out["tba_config"] = {
+                k: str(v) for k, v in off.config.as_dict().items() if k != "spill_dir"
+            }
+    except BaseException as e:  # noqa: BLE001 - the trial reports any failure and its kind
+        out["ok"] = False
+        out["oom"] = _is_oom(e)
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        if off is not None:
+            with contextlib.suppress(BaseException):
+                off.close()
+    out["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(RESULT_TAG + json.dumps(out), flush=True)
+    if out["ok"]:
+        return 0
+    return EXIT_TRIAL_OOM if out["oom"] else 1
+
+
+# -- memory caps -------------------------------------------------------------------------------
+def _mounts() -> list[tuple[str, str, str]]:
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4:
+                rows.append((parts[1], parts[2], parts[3]))
+    return rows
+
+
+def _own_cgroup(controller: str | None) -> str | None:
+    """Our path in the v2 hierarchy (controller None) or in the v1 ``controller`` hierarchy."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            hid, ctrls, path = line.split(":", 2)
+            if controller is None and hid == "0" and ctrls == "":
+                return path
+            if controller is not None and controller in ctrls.split(","):
+                return path
+    return None
+
+
+class Cap:
+    """How a trial's memory is capped. ``run`` returns (returncode, oom_killed, peak, extra)."""
+
+    name = "rusage"
+    enforced = False
+
+    def __init__(self, cap: int | None):
+        self.cap = cap
+
+    def describe(self) -> str:
+        return (
+            "NOT ENFORCED: no memory cgroup usable; each trial runs unconstrained and 'fits' "
+            "means its peak RSS (getrusage ru_maxrss) stayed under the cap"
+        )
+
+    @contextlib.contextmanager
+    def group(self):
+        yield None
+
+    def wrap(self, argv: list[str], group) -> list[str]:
+        return argv
+
+    def read(self, group) -> dict:
+        return {}
+
+    def stat(self, group) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class CgroupCap(Cap):
+    """A fresh child memory cgroup per trial (counters start at zero), removed afterwards."""
+
+    enforced = True
+
+    def __init__(self, cap: int | None, root: Path, version: int):
+        super().__init__(cap)
+        self.root = root  # our own cgroup directory: the trial groups nest inside it
+        self.version = version
+        self.name = f"cgroup{version}"
+        self._n = 0
+
+    def describe(self) -> str:
+        if self.version == 2:
+            how = "memory.max = cap, memory.swap.max = 0"
+        else:
+            how = "memory.limit_in_bytes = memory.memsw.limit_in_bytes = cap, swappiness 0"
+        return f"cgroup v{self.version} memory controller, one child group per trial ({how})"
+
+    @staticmethod
+    def _write(path: Path, value) -> None:
+        path.write_text(f"{value}\n")
+
+    def make(self) -> Path:
+        self._n += 1
+        g = self.root / f"tba-headroom-{os.getpid()}-{self._n}"
+        g.mkdir()
+        try:
+            limit = self.cap if self.cap is not None else "max"
+            if self.version == 2:
+                self._write(g / "memory.max", limit)
+                if (g / "memory.swap.max").exists():
+                    self._write(g / "memory.swap.max", 0)
+            else:
+                limit = self.cap if self.cap is not None else -1
+                self._write(g / "memory.limit_in_bytes", limit)
+                if (g / "memory.memsw.limit_in_bytes").exists():
+                    self._write(g / "memory.memsw.limit_in_bytes", limit)
+                if (g / "memory.swappiness").exists():
+                    self._write(g / "memory.swappiness", 0)
+        except OSError:
+            self._remove(g)
+            raise
+        return g
+
+    @staticmethod
+    def _remove(g: Path) -> None:
+        for _ in range(50):  # the killed child may take a moment to leave the group
+            try:
+                g.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove cgroup {g}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def group(self):
+        g = self.make()
+        try:
+            yield g
+        finally:
+            self._remove(g)
+
+    def wrap(self, argv: list[str], group) -> list[str]:
+        # The shell joins the group, then execs Python: everything the trial allocates is charged.
+        script = 'echo $$ > "$0" || exit 97; exec "$@"'
+        return ["/bin/sh", "-c", script, str(group / "cgroup.procs"), *argv]
+
+    def _kv(self, path: Path) -> dict[str, int]:
+        out = {}
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                k, _, v = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    out[k] = int(v)
+        return out
+
+    def stat(self, group) -> dict[str, int]:
+        """Page cache and anonymous memory charged now, in common names."""
+        s = self._kv(group / "memory.stat")
+        if self.version == 2:
+            keys = {"anon": "anon", "file": "file", "dirty": "file_dirty"}
+            keys["writeback"] = "file_writeback"
+        else:
+            keys = {"anon": "rss", "file": "cache", "dirty": "dirty", "writeback": "writeback"}
+        return {k: s.get(v, 0) for k, v in keys.items()}
+
+    def read(self, group) -> dict:
+        if self.version == 2:
+            ev = self._kv(group / "memory.events")
+            peak_file = group / "memory.peak"
+            oom_kills = ev.get("oom_kill", 0)
+        else:
+            ev = self._kv(group / "memory.oom_control")
+            peak_file = group / "memory.max_usage_in_bytes"
+            oom_kills = ev.get("oom_kill", 0)
+        peak = None
+        with contextlib.suppress(OSError, ValueError):
+            peak = int(peak_file.read_text().split()[0])
+        return {"oom_kills": oom_kills, "peak_charged_bytes": peak}
+
+
+def _probe_group(cap: CgroupCap) -> str | None:
+    """Create a group, move a short-lived child into it, remove it. None when that works."""
+    try:
+        with cap.group() as g:
+            argv = cap.wrap([sys.executable, "-c", "pass"], g)
+            rc = subprocess.run(argv, capture_output=True, timeout=60).returncode
+            if rc != 0:
+                return f"a child could not join {g} (exit {rc})"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def open_cap(cap_bytes: int | None, mechanism: str) -> tuple[Cap, list[str]]:
+    """The first usable mechanism (or the one asked for), and why the others were not used."""
+    notes: list[str] = []
+    mounts = _mounts()
+    candidates: list[CgroupCap] = []
+    if mechanism in ("auto", "cgroup2"):
+        v2 = next((m for m, fs, _ in mounts if fs == "cgroup2"), None)
+        own = _own_cgroup(None)
+        if v2 is None or own is None:
+            notes.append("cgroup2: no cgroup2 mount")
+        else:
+            root = Path(v2) / own.lstrip("/")
+            ctrls = (root / "cgroup.subtree_control").read_text().split() if root.exists() else []
+            if "memory" not in ctrls:
+                have = (Path(v2) / "cgroup.controllers").read_text().split()
+                notes.append(
+                    f"cgroup2: the memory controller is not enabled for children of {root} "
+                    f"(controllers on {v2}: {' '.join(have) or 'none'})"
+                )
+            else:
+                candidates.append(CgroupCap(cap_bytes, root, 2))
+    if mechanism in ("auto", "cgroup1"):
+        v1 = next(
+            (m for m, fs, opts in mounts if fs == "cgroup" and "memory" in opts.split(",")), None
+        )
+        own = _own_cgroup("memory")
+        if v1 is None or own is None:
+            notes.append("cgroup1: no v1 memory controller mounted")
+        else:
+            candidates.append(CgroupCap(cap_bytes, Path(v1) / own.lstrip("/"), 1))
+    for c in candidates:
+        why = _probe_group(c)
+        if why is None:
+            return c, notes
+        notes.append(f"{c.name}: {why}")
+    if mechanism not in ("auto", "rusage"):
+        raise SystemExit(f"bench_headroom: --mechanism {mechanism} is not usable: {notes}")
+    return Cap(cap_bytes), notes
+
+
+# -- the parent ---------------------------------------------------------------------------------
+class Runner:
+    def __init__(self, args, cap: Cap, spill_root: str):
+        self.args = args
+        self.cap = cap
+        self.spill_root = spill_root
+        self.env = dict(os.environ)
+        self.env.update(args.env)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, self.env.get("PYTHONPATH", "")) if p
+        )
+        self.trials: list[dict] = []
+
+    def trial(self, mode: str, b: int) -> dict:
+        argv = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--_trial",
+            mode,
+            str(b),
+            "--steps",
+            str(self.args.steps),
+            "--spill-dir",
+            self.spill_root,
+        ]
+        timeout = self.args.trial_timeout or max(180.0, 20.0 * b * self.args.steps)
+        t0 = time.perf_counter()
+        peaks: dict[str, int] = {}
+        with self.cap.group() as g:
+            proc = subprocess.Popen(
+                self.cap.wrap(argv, g),
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            stop = threading.Event()
+
+            watchdog = []
+
+            def watch():
+                # cgroup: the page cache and dirty bytes charged to the trial, over time.
+                # rusage: nothing stops the trial, so kill it once its RSS passes the cap.
+                while not stop.wait(0.05):
+                    for k, v in self.cap.stat(g).items():
+                        peaks[k] = max(peaks.get(k, 0), v)
+                    if not self.cap.enforced and self.cap.cap is not None:
+                        rss = _rss_of(proc.pid)
+                        if rss is not None and rss > self.cap.cap:
+                            watchdog.append(rss)
+                            proc.kill()
+                            return
+
+            w = threading.Thread(target=watch, daemon=True)
+            w.start()
+            timed_out = False
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            stop.set()
+            w.join()
+            info = self.cap.read(g)
+        rec = {"mode": mode, "batch": b, "returncode": proc.returncode}
+        rec["wall_seconds"] = time.perf_counter() - t0
+        rec.update(info)
+        rec["max_charged"] = peaks
+        child = None
+        for line in stdout.splitlines():
+            if line.startswith(RESULT_TAG):
+                child = json.loads(line[len(RESULT_TAG) :])
+        if child is not None:
+            rec["child"] = child
+            rec["ru_maxrss_bytes"] = child.get("ru_maxrss_bytes")
+        if watchdog:
+            rec["ru_maxrss_bytes"] = rec.get("ru_maxrss_bytes") or watchdog[0]
+            rec["verdict"] = "no"
+            rec["why"] = f"RSS {watchdog[0] / MiB:.0f} MiB above the cap: killed (not enforced)"
+        elif timed_out:
+            rec["verdict"], rec["why"] = "no", f"timed out after {timeout:.0f} s (thrashing?)"
+        elif proc.returncode == 0 and child is not None and child.get("ok"):
+            rss = child.get("ru_maxrss_bytes") or 0
+            if not self.cap.enforced and self.cap.cap is not None and rss > self.cap.cap:
+                rec["verdict"], rec["why"] = "no", "peak RSS above the cap (not enforced)"
+            else:
+                rec["verdict"], rec["why"] = "fits", ""
+        elif proc.returncode == -9 and (info.get("oom_kills", 0) > 0 or not self.cap.enforced):
+            rec["verdict"], rec["why"] = "no", "OOM-killed in its cgroup"
+        elif proc.returncode == EXIT_TRIAL_OOM:
+            rec["verdict"], rec["why"] = "no", f"out of memory: {child.get('error', '')}"
+        else:
+            tail = (stderr or "").strip().splitlines()[-5:]
+            rec["verdict"] = "error"
+            rec["why"] = f"exit {proc.returncode}: " + " | ".join(tail)
+        self.trials.append(rec)
+        self._log(rec)
+        return rec
+
+    def _log(self, rec: dict) -> None:
+        child = rec.get("child") or {}
+        steps = child.get("step_seconds") or []
+        peak = rec.get("peak_charged_bytes")
+        rss = rec.get("ru_maxrss_bytes")
+        extra = []
+        if peak is not None:
+            extra.append(f"peak charged {peak / MiB:7.0f} MiB")
+        if rss:
+            extra.append(f"peak RSS {rss / MiB:7.0f} MiB")
+        if steps:
+            extra.append("steps " + ", ".join(f"{s:.1f}" for s in steps) + " s")
+        keep = (child.get("tba") or {}).get("keep_last")
+        if keep is not None:
+            extra.append(f"keep_last {keep}")
+        if rec["why"]:
+            extra.append(rec["why"])
+        print(
+            f"  {rec['mode']:<11} B={rec['batch']:<4} {rec['verdict']:<6} "
+            f"{rec['wall_seconds']:6.1f} s  " + "; ".join(extra),
+            flush=True,
+        )
+
+    def search(self, mode: str, start: int) -> dict:
+        """Largest B that fits: doubling from ``start``, then bisection (assumes monotony)."""
+        lo, hi = 0, None  # largest B known to fit, smallest B known not to
+        found: dict[int, dict] = {}
+        b = max(1, min(start, self.args.max_batch))
+        while hi is None:
+            r = found[b] = self.trial(mode, b)
+            if r["verdict"] == "error":
+                return {"max_batch": None, "error": r["why"], "trials": list(found.values())}
+            if r["verdict"] == "fits":
+                lo = b
+                if b >= self.args.max_batch:
+                    break
+                b = min(2 * b, self.args.max_batch)
+            else:
+                hi = b
+        while hi is not None and hi - lo > 1:
+            b = (lo + hi) // 2
+            r = found[b] = self.trial(mode, b)
+            if r["verdict"] == "error":
+                return {"max_batch": None, "error": r["why"], "trials": list(found.values())}
+            if r["verdict"] == "fits":
+                lo = b
+            else:
+                hi = b
+        return {
+            "max_batch": lo,
+            "first_failing_batch": hi,
+            "at_max": found.get(lo),
+            "trials": [found[k] for k in sorted(found)],
+        }
+
+
+def _rss_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _size(text: str) -> int:
+    from tba.config import parse_size
+
+    return parse_size(text)
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return k, v
+
+
+def _dirty_tree() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return [line[3:] for line in out.stdout.splitlines()]
+    except OSError:
+        return []
+
+
+def _fmt_mib(n) -> str:
+    return "-" if n is None else f"{n / MiB:.0f} MiB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cap", default=DEFAULT_CAP, help=f"memory cap (default {DEFAULT_CAP})")
+    ap.add_argument("--modes", default="none,tba", help="comma-separated: none, tba, checkpoint")
+    ap.add_argument(
+        "--mechanism",
+        choices=("auto", "cgroup2", "cgroup1", "rusage"),
+        default="auto",
+        help="how the cap is enforced (default: the first usable cgroup, else rusage)",
+    )
+    ap.add_argument("--steps", type=int, default=2, help="forward+backward steps per trial")
+    ap.add_argument(
+        "--start",
+        type=int,
+        default=1,
+        help="first batch size of the baseline's search (the other modes start at its result)",
+    )
+    ap.add_argument("--max-batch", type=int, default=256, help="stop searching above this")
+    ap.add_argument("--trial-timeout", type=float, default=0, help="seconds (0: by batch size)")
+    ap.add_argument("--spill-dir", default="/var/tmp", help="root of the spill dir (local disk)")
+    ap.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--calibrate",
+        metavar="B,B,...",
+        help="no search: run each mode at these batch sizes with no cap and report the peaks",
+    )
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--_trial", nargs=2, metavar=("MODE", "B"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._trial:
+        mode, b = args._trial
+        return trial_main(mode, int(b), args.steps, args.spill_dir)
+
+    from _machine import machine_line
+
+    args.env = dict(args.env)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {MODES}")
+    cap_bytes = None if args.calibrate else _size(args.cap)
+    cap, notes = open_cap(cap_bytes, args.mechanism)
+    machine = machine_line(args.spill_dir)
+    dirty = _dirty_tree()
+    print(machine)
+    if dirty:
+        print(f"working tree has uncommitted changes in: {', '.join(dirty)}")
+    print(
+        f"cap: {'none (calibration)' if cap_bytes is None else args.cap}, "
+        f"mechanism {cap.name}: {cap.describe()}"
+    )
+    for n in notes:
+        print(f"  not used: {n}")
+    if not cap.enforced:
+        print("!" * 100)
+        print("!! WARNING: the cap is NOT enforced; results compare peak RSS with the cap.")
+        print("!" * 100)
+    if args.env:
+        print(f"trial environment: {' '.join(f'{k}={v}' for k, v in args.env.items())}")
+
+    spill_root = tempfile.mkdtemp(prefix="tba-headroom-", dir=args.spill_dir)
+    runner = Runner(args, cap, spill_root)
+    res: dict = {
+        "workload": "W1 (tba.testing.W1), forward+backward, no optimizer",
+        "steps_per_trial": args.steps,
+        "mechanism": cap.name,
+        "mechanism_detail": cap.describe(),
+        "cap_enforced": cap.enforced,
+        "mechanisms_not_used": notes,
+        "env": args.env,
+        "machine": machine,
+        "dirty_files": dirty,
+    }
+    try:
+        if args.calibrate:
+            sizes = [int(x) for x in args.calibrate.split(",") if x]
+            res["calibration"] = {m: [runner.trial(m, b) for b in sizes] for m in modes}
+            print()
+            print(f"{'mode':<12}{'batch':>6}{'peak charged':>14}{'peak RSS':>12}{'step 2 (s)':>12}")
+            for m in modes:
+                for r in res["calibration"][m]:
+                    steps = (r.get("child") or {}).get("step_seconds") or [None]
+                    st = "-" if steps[-1] is None else f"{steps[-1]:.2f}"
+                    print(
+                        f"{m:<12}{r['batch']:>6}{_fmt_mib(r.get('peak_charged_bytes')):>14}"
+                        f"{_fmt_mib(r.get('ru_maxrss_bytes')):>12}{st:>12}"
+                    )
+        else:
+            res["cap_bytes"] = cap_bytes
+            res["cap"] = args.cap
+            res["modes"] = {}
+            for m in modes:
+                # the baseline searches from --start; the others from the baseline's result,
+                # which they are expected to reach (bisection goes down if they do not)
+                base = res["modes"].get("none", {}).get("max_batch")
+                start = args.start if m == "none" or not base else base
+                print(f"searching {m} from batch {start} ...", flush=True)
+                res["modes"][m] = runner.search(m, start)
+                res["modes"][m]["fit"] = _linear_fit(res["modes"][m]["trials"])
+            _report(res, modes)
+    finally:
+        cap.close()
+        shutil.rmtree(spill_root, ignore_errors=True)
+    file_max = max((r.get("max_charged", {}).get("file", 0) for r in runner.trials), default=0)
+    dirty_max = max((r.get("max_charged", {}).get("dirty", 0) for r in runner.trials), default=0)
+    res["max_page_cache_charged_bytes"] = file_max
+    res["max_dirty_charged_bytes"] = dirty_max
+    if cap.enforced:
+        print(
+            f"page cache charged to any trial (sampled every 50 ms): at most {file_max / MiB:.1f} "
+            f"MiB, dirty at most {dirty_max / MiB:.1f} MiB"
+        )
+    if args.json:
+        res["all_trials"] = runner.trials
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def _linear_fit(trials: list[dict]) -> dict | None:
+    """Least squares of the peak charge against B over the trials that fit: a + b*B."""
+    pts = [
+        (t["batch"], t["peak_charged_bytes"])
+        for t in trials
+        if t["verdict"] == "fits" and t.get("peak_charged_bytes")
+    ]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx = sum(b for b, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    slope = sum((b - mx) * (y - my) for b, y in pts) / sum((b - mx) ** 2 for b, _ in pts)
+    return {"fixed_bytes": my - slope * mx, "bytes_per_sequence": slope, "points": n}
+
+
+def _report(res: dict, modes: list[str]) -> None:
+    enforced = res["cap_enforced"]
+    print()
+    print(
+        f"W1 max micro-batch under a {res['cap']} cap ({res['mechanism']}"
+        f"{'' if enforced else ', NOT ENFORCED: peak RSS compared with the cap'}), "
+        f"{res['steps_per_trial']} steps per trial"
+    )
+    print(
+        f"{'mode':<12}{'max batch':>10}{'fails at':>10}{'peak charged':>14}{'peak RSS':>11}"
+        f"{'step (s)':>10}{'s/seq':>8}  tba"
+    )
+    for m in modes:
+        r = res["modes"][m]
+        if r.get("max_batch") is None:
+            print(f"{m:<12}  error: {r.get('error')}")
+            continue
+        at = r.get("at_max") or {}
+        child = at.get("child") or {}
+        steps = child.get("step_seconds") or []
+        step = steps[-1] if steps else None
+        fails = r.get("first_failing_batch")
+        t = child.get("tba") or {}
+        tinfo = ""
+        if t:
+            tinfo = (
+                f"keep_last {t.get('keep_last')}, peak_resident "
+                f"{_fmt_mib(t.get('peak_resident_bytes'))} "
+                f"of saved {_fmt_mib(t.get('saved_bytes'))}"
+            )
+        step_s = "-" if step is None else f"{step:.2f}"
+        per_seq = "-" if step is None or not r["max_batch"] else f"{step / r['max_batch']:.3f}"
+        print(
+            f"{m:<12}{r['max_batch']:>10}{'-' if fails is None else fails:>10}"
+            f"{_fmt_mib(at.get('peak_charged_bytes')):>14}{_fmt_mib(at.get('ru_maxrss_bytes')):>11}"
+            f"{step_s:>10}{per_seq:>8}  {tinfo}"
+        )
+    for m in modes:
+        fit = res["modes"][m].get("fit")
+        if fit:
+            print(
+                f"  {m}: peak charged ~ {fit['fixed_bytes'] / MiB:.0f} MiB + "
+                f"{fit['bytes_per_sequence'] / MiB:.1f} MiB x batch (least squares over "
+                f"{fit['points']} fitting trials)"
+            )
+    base = res["modes"].get("none", {}).get("max_batch")
+    for m in modes:
+        if m == "none":
+            continue
+        got = res["modes"][m].get("max_batch")
+        if base and got is not None:
+            res.setdefault("ratios", {})[f"{m}/none"] = got / base
+            print(f"max batch {m} / none: {got} / {base} = {got / base:.2f}x")
+        elif base == 0:
+            print(f"max batch {m} / none: the baseline does not fit batch 1 under this cap")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
