@@ -1,4 +1,4 @@
-"""The ``tba`` command: ``tba doctor`` (more subcommands, such as ``plan``, ``bench`` and
+"""The ``tba`` command: ``tba doctor`` and ``tba bench`` (more subcommands, such as ``plan`` and
 ``sidecar``, plug in the same way).
 
 Each subcommand is an ``_add_<name>`` function in ``SUBCOMMANDS`` that registers its parser and
@@ -88,7 +88,257 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor,)
+# -- tba bench -------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return n
+
+
+def _interval_ms(text: str) -> float:
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not 0.1 <= ms <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0.1 to 1000 ms")
+    return ms
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="memory timeline of one training step, with and without tba (--plot, --csv)",
+        description=(
+            "Run a few forward+backward steps of the test GPT (W1 by default) without and with "
+            "tba, record the bytes of saved tensors resident during the last step of each, "
+            "print a summary, and optionally draw both curves (--plot, needs matplotlib: "
+            "pip install 'tba[plot]') or write them as CSV (--csv). tba's settings come from "
+            "the TBA_* variables, as everywhere. Exit 0: done; 2: bad arguments or settings, "
+            "or --plot without matplotlib."
+        ),
+    )
+    p.add_argument("--layers", type=_positive_int, default=6, help="blocks (W1: 6)")
+    p.add_argument("--hidden", type=_positive_int, default=512, help="hidden size (W1: 512)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="attention heads (W1: 8)")
+    p.add_argument("--seq", type=_positive_int, default=512, help="sequence length (W1: 512)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="micro-batch (W1: 8)")
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=2,
+        help="steps per mode; the last one is recorded (default 2: one warm-up)",
+    )
+    p.add_argument(
+        "--interval-ms",
+        type=_interval_ms,
+        default=1.0,
+        metavar="MS",
+        help="sampling period for tba's resident bytes and RSS (default 1 ms)",
+    )
+    p.add_argument(
+        "--rss",
+        action="store_true",
+        help="also sample and plot the process RSS (each mode then runs in a fresh process)",
+    )
+    p.add_argument(
+        "--spill-dir",
+        metavar="DIR",
+        help="tba's spill dir (default: TBA_SPILL_DIR, else /var/tmp/tba-<uid>)",
+    )
+    p.add_argument("--plot", metavar="PNG", help="draw both curves into this image file")
+    p.add_argument("--csv", metavar="CSV", help="write the samples (mode,kind,seconds,bytes)")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from . import bench
+    from .config import Config
+    from .errors import ConfigError
+
+    if args.hidden % args.heads:
+        print(
+            f"tba bench: --hidden {args.hidden} is not a multiple of --heads {args.heads}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.plot:
+        try:
+            bench.require_matplotlib()
+        except bench.PlotUnavailable as e:
+            print(f"tba bench: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    settings = bench.BenchSettings(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+        steps=args.steps,
+        interval=args.interval_ms / 1000,
+        rss=args.rss,
+        spill_dir=args.spill_dir,
+    )
+    try:
+        config = Config(spill_dir=args.spill_dir) if args.spill_dir else Config()
+    except ConfigError as e:
+        print(f"tba bench: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if not config.enabled:
+        print("tba bench: TBA_ENABLED=0; nothing to compare", file=sys.stderr)
+        return EXIT_USAGE
+    traces = bench.run(settings, config, progress=lambda m: print(f"tba bench: {m}", flush=True))
+    print(bench.summary(traces, settings))
+    if args.csv:
+        bench.write_csv(traces, args.csv)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        bench.plot(traces, settings, args.plot)
+        print(f"wrote {args.plot}")
+    return EXIT_OK
+
+
+# -- tba plan --------------------------------------------------------------------------------------
+def _plan_count(minimum: int, example: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = minimum - 1
+        if v < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}, such as {example}; got {text!r}"
+            )
+        return v
+
+    return parse
+
+
+def _plan_positive(example: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = 0.0
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"expected a number above 0, such as {example}; got {text!r}"
+            )
+        return v
+
+    return parse
+
+
+def _plan_size(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except Exception:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 128MiB or 1GiB; got {text!r}")
+    return n
+
+
+def _plan_dtype(text: str) -> int:
+    from .plan import DTYPES
+
+    if text.lower() in DTYPES:
+        return DTYPES[text.lower()]
+    raise argparse.ArgumentTypeError(
+        f"expected one of fp32|bf16|fp16|fp8 (or float32, bfloat16, float16); got {text!r}"
+    )
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict whether the SSDs keep up: bytes, bandwidth, step time and peak per keep-K",
+        description=(
+            "Predict tba's schedule before buying hardware: activation bytes per layer, the "
+            "bandwidth that hides offload behind compute, and a simulated step time, stall and "
+            "peak memory for every TBA_KEEP_LAST, with the recommended K and keep-all vs "
+            "offload vs recompute. From a model shape and hardware figures, or from a trace "
+            "(TBA_TRACE) of a real run. Model and rules: tba/plan.py. Exit 0: done; 2: bad input."
+        ),
+    )
+    pos = _plan_count(1, "32")
+    m = p.add_argument_group("model shape")
+    m.add_argument("--layers", type=pos, metavar="N", help="transformer layers")
+    m.add_argument("--hidden", type=pos, metavar="H", help="hidden size")
+    m.add_argument("--heads", type=pos, metavar="A", help="attention heads")
+    m.add_argument("--kv-heads", type=pos, metavar="N", help="key/value heads (default: heads)")
+    m.add_argument("--seq", type=pos, metavar="S", help="sequence length")
+    m.add_argument("--batch", type=pos, metavar="B", help="micro-batch (default 1)")
+    m.add_argument("--dtype", type=_plan_dtype, help="fp32|bf16|fp16|fp8 (default bf16)")
+    m.add_argument("--tp", type=pos, metavar="T", help="tensor-parallel degree (default 1)")
+    m.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallel")
+    m.add_argument("--attention", choices=("flash", "explicit"), help="default flash")
+    m.add_argument("--arch", choices=("gpt", "llama"), help="gpt: LN+GELU; llama: RMSNorm+SwiGLU")
+    m.add_argument("--mlp-ratio", type=_plan_positive("4"), metavar="R", help="MLP width/hidden")
+    m.add_argument("--vocab", type=_plan_count(0, "32000"), help="vocabulary (0: no head)")
+    m.add_argument("--dropout", action="store_true", help="dropout masks are saved")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--flops", type=_plan_positive("400e12"), help="achieved FLOP/s per GPU")
+    h.add_argument(
+        "--layer-fwd-ms", type=_plan_positive("4.8"), metavar="MS", help="forward ms per layer"
+    )
+    h.add_argument(
+        "--backward-ratio", type=_plan_positive("2"), metavar="X", help="backward/forward (2)"
+    )
+    h.add_argument("--write-gbps", type=_plan_positive("6"), metavar="GB/S", help="per drive")
+    h.add_argument("--read-gbps", type=_plan_positive("6"), metavar="GB/S", help="per drive")
+    h.add_argument("--drives", type=pos, metavar="N", help="drives striped together (default 1)")
+    h.add_argument(
+        "--duplex",
+        choices=("full", "shared"),
+        help="full: reads and writes run at once (NVMe, default); shared: one queue (virtio)",
+    )
+    h.add_argument("--device", choices=("cuda", "cpu"), help="where activations live (cuda)")
+    h.add_argument(
+        "--capture-gbps",
+        type=_plan_positive("10"),
+        metavar="GB/S",
+        help="capture copy on the compute thread (a CPU memcpy; unset: overlapped)",
+    )
+    h.add_argument(
+        "--h2d-gbps",
+        type=_plan_positive("50"),
+        metavar="GB/S",
+        help="read-back host-to-device copy on the compute stream (unset: overlapped)",
+    )
+    h.add_argument("--device-mem", type=_plan_size, metavar="SIZE", help="memory for activations")
+    h.add_argument("--host-mem", type=_plan_size, metavar="SIZE", help="host memory for tba")
+    k = p.add_argument_group("tba settings (default: tba's, or the trace's)")
+    k.add_argument("--prefetch", type=_plan_size, metavar="SIZE", help="TBA_PREFETCH_BYTES")
+    k.add_argument("--staging", type=_plan_size, metavar="SIZE", help="TBA_STAGING_BYTES")
+    k.add_argument("--min-offload", type=_plan_size, metavar="SIZE", help="TBA_MIN_OFFLOAD_BYTES")
+    o = p.add_argument_group("mode")
+    o.add_argument("--trace", metavar="FILE", help="a TBA_TRACE file of a real run")
+    o.add_argument(
+        "--steps",
+        type=pos,
+        help="steps simulated back to back, the last shown (default: until steady)",
+    )
+    o.add_argument("--projections", action="store_true", help="the 7B Llama on H100 tables")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from . import plan
+
+    return plan.run_cli(args)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_doctor,
+    _add_bench,
+    _add_plan,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
