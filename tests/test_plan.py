@@ -253,6 +253,17 @@ def test_steady_state_carries_unfinished_writes():
     assert steady.bytes_written < one.bytes_written  # staging still holds the last step's bytes
 
 
+def test_steady_state_offloads_what_the_disk_writes_per_step():
+    # 48 MiB offloadable per step (K=1), 1.2 s steps, writes at 20 MiB/s: the backlog grows
+    # until staging is full of it, then each step offloads about what the disk writes in one
+    w = toy(blocks=4, fwd=0.1, bwd=0.2)
+    hw = P.Hardware(20 * MiB, None, device="cpu")
+    r = P.simulate(w, hw, P.Knobs(staging_bytes=64 * MiB), 1, steps=0)
+    assert r.step_seconds == pytest.approx(1.2)
+    assert abs(r.bytes_written - 24 * MiB) <= 4 * MiB
+    assert r.staging_full_bytes == 48 * MiB - r.bytes_written
+
+
 def test_recommendation_rule():
     def res(k, t, peak):
         return P.SimResult(k, t, 0, 0, 0, 0, peak, peak, 0, 0, 0, 0, 0, 0, 0)
