@@ -1,0 +1,95 @@
+"""Python cost of tba's pack and unpack hooks per saved tensor.
+
+    python benchmarks/bench_hotpath.py [--tensors 2000] [--size 64KiB] [--backends memory,native]
+
+A chain of ``torch.sin`` calls saves one tensor each. The hooks are timed from the inside (the
+time spent in ``OffloadHooks.pack``/``unpack``), and the whole forward and backward are timed
+against the same chain without tba, interleaved over ``--repeats`` rounds; medians. The capture
+memcpy is part of pack. Issue 4's goal is under 30 us per tensor. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _machine import machine_line  # noqa: E402
+
+import tba  # noqa: E402
+from tba import hook  # noqa: E402
+from tba.config import parse_size  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--size", default="64KiB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="memory,native")
+    ap.add_argument("--spill-dir", default="/var/tmp")
+    args = ap.parse_args(argv)
+    n, size = args.tensors, parse_size(args.size)
+    torch.set_num_threads(1)
+    spent = {"pack": 0.0, "unpack": 0.0}
+    real_pack, real_unpack = hook.OffloadHooks.pack, hook.OffloadHooks.unpack
+
+    def timed(kind, real):
+        def call(self, x):
+            t0 = time.perf_counter()
+            try:
+                return real(self, x)
+            finally:
+                spent[kind] += time.perf_counter() - t0
+
+        return call
+
+    hook.OffloadHooks.pack = timed("pack", real_pack)
+    hook.OffloadHooks.unpack = timed("unpack", real_unpack)
+    x = torch.randn(size // 4, requires_grad=True)
+
+    def chain(off):
+        t0 = time.perf_counter()
+        with off.step() if off is not None else torch.enable_grad():
+            h = x
+            for _ in range(n):
+                h = torch.sin(h)
+        t1 = time.perf_counter()
+        h.sum().backward()
+        return t1 - t0, time.perf_counter() - t1
+
+    print(machine_line(args.spill_dir))
+    print(f"{n} saved tensors of {args.size}, {args.repeats} interleaved rounds, 1 thread")
+    print(f"{'backend':<9}{'pack us':>9}{'unpack us':>11}{'fwd +us':>9}{'bwd +us':>9}")
+    spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
+    try:
+        for name in args.backends.split(","):
+            cfg = tba.Config(
+                spill_dir=spill, backend=name, min_offload_bytes=1, keep_last=0, environ={}
+            )
+            with tba.Offloader(cfg) as off:
+                chain(off)  # warm-up: slabs, staging, first writes
+                off.synchronize()
+                rows = []
+                for _ in range(args.repeats):
+                    spent["pack"] = spent["unpack"] = 0.0
+                    f1, b1 = chain(off)
+                    off.synchronize()
+                    pack, unpack = spent["pack"], spent["unpack"]
+                    f0, b0 = chain(None)
+                    rows.append((pack / n, unpack / n, (f1 - f0) / n, (b1 - b0) / n))
+            med = [statistics.median(r[i] for r in rows) * 1e6 for i in range(4)]
+            print(f"{name:<9}{med[0]:>9.1f}{med[1]:>11.1f}{med[2]:>9.1f}{med[3]:>9.1f}")
+    finally:
+        os.rmdir(spill)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
