@@ -164,13 +164,10 @@ def main(argv=None) -> int:
         print(f"{r['modes']} step time:  median {r['median']:.3f}, paired {r['paired']:.3f}")
     if res["tba_over_checkpoint"] is not None:
         print(f"{first} / checkpoint step time:   {res['tba_over_checkpoint']:.3f}")
-    for m in tba_modes:
-        later_m = stats[m][1:] or stats[m]
+    for m, pm in res["per_mode"].items():
         print(
-            f"{m}: keep_last {later_m[-1]['keep_last']}, peak/saved "
-            f"{max(x['peak_resident_bytes'] for x in later_m) / later_m[-1]['saved_bytes']:.3f}, "
-            f"stall median {statistics.median(x['stall_seconds'] for x in later_m):.3f} s, "
-            f"sync loads max {max(x['sync_loads'] for x in later_m)}"
+            f"{m}: keep_last {pm['keep_last']}, peak/saved {pm['peak_over_saved']:.3f}, "
+            f"stall median {pm['stall_median']:.3f} s, sync loads max {pm['sync_loads_max']}"
         )
     print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")

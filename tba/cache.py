@@ -152,7 +152,7 @@ class Entry:
         self.from_disk = False  # ``host`` came from a disk read (not staging or a fallback)
         self.batch = None  # the Batch this small tensor was coalesced into (NOTE [Coalescing])
         self.slot_at = 0  # its byte offset inside the batch
-        self.stat = step.group(0)  # the GroupStat of the group that packed it (set by offload)
+        self.stat: Any = None  # the GroupStat of the group that packed it (set by offload)
 
     def __repr__(self) -> str:
         return f"<Entry {STATE_NAMES[self.state]} {self.nbytes}B>"

@@ -164,19 +164,14 @@ def _rate(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("", "none", "0"):
+        value = value.strip()
+        if value.lower() in ("", "none"):
             return None
-        text = text[:-2] if text.lower().endswith("/s") else text
-        try:
-            n = parse_size(text)
-        except _Bad:
-            raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
-    else:
-        try:
-            n = parse_size(value)
-        except _Bad:
-            raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
+        value = value[:-2] if value.lower().endswith("/s") else value
+    try:
+        n = parse_size(value)
+    except _Bad:
+        raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
     if n == 0:
         return None
     if n < 4096:

@@ -47,7 +47,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes)
             reason = off.policy.keep_reason(t, nbytes, off.groups.on_pack(nbytes))
-            gs = st.group(off.groups.group)
+            gs = off.groups.stat
             gs.tensors += 1
             gs.packed_bytes += nbytes
             if reason is None:

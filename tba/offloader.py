@@ -244,7 +244,7 @@ class Offloader:
         st.keep(reason)
         ke = self.cache.kept_entry(key[0], nbytes)
         ke.handles += 1
-        h = KeptHandle(t, ke, key, st.group(self.groups.group))
+        h = KeptHandle(t, ke, key, self.groups.stat)
         self.cache.add_handle(h)
         return h
 
@@ -300,7 +300,7 @@ class Offloader:
                 raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
         e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
         e.staging, e.extent, e.padded = block, extent, block.length
-        e.stat = st.group(self.groups.group)
+        e.stat = self.groups.stat
         self.cache.charge(block.length)
         if batch is not None:
             e.batch, e.slot_at = batch, block.offset
@@ -367,20 +367,17 @@ class Offloader:
         e.stat.io_started(True, t0)
         fut = self.backend.write(e.extent, e.staging.view, self.config.checksum)
         self._pending.add(fut)
-        fut.add_done_callback(lambda f, e=e, t0=t0: self._single_written(e, f, t0))
+        fut.add_done_callback(lambda f, e=e, t0=t0: self._write_done(e, f, t0))
 
-    def _single_written(self, e: Entry, fut: Future, t0: float) -> None:
-        now = time.perf_counter()
-        with self._lock:
-            e.stat.io_done(True, e.padded, now)
-            e.step.io_span(True, t0, now, e.padded)
-        self._write_done(e, fut)
-
-    def _write_done(self, e: Entry, fut: Future) -> None:
+    def _write_done(self, e: Entry, fut: Future, t0: float | None = None) -> None:
+        """A write of ``e`` ended; ``t0``: when it was issued, for a stand-alone entry (a
+        batch accounts its one write itself)."""
         with self._lock:
             self._pending.discard(fut)
             e.io_busy = False
             err = fut.exception()
+            if t0 is not None and err is None:
+                self._io_finished(True, e, t0, e.padded)
             if e.state == DEAD:
                 self._release_io_resources(e)
                 return
@@ -487,14 +484,21 @@ class Offloader:
         fut.add_done_callback(lambda f, b=b, live=live, t0=t0: self._batch_written(b, live, f, t0))
 
     def _batch_written(self, b: Batch, members: list[Entry], fut: Future, t0: float) -> None:
-        now = time.perf_counter()
         with self._lock:
             b.writing = False
-            members[0].stat.io_done(True, b.extent.length if b.extent else 0, now)
-            members[0].step.io_span(True, t0, now, b.extent.length if b.extent else 0)
+            if fut.exception() is None:
+                self._io_finished(True, members[0], t0, b.extent.length)  # a batch: one group
             for m in members:
                 self._write_done(m, fut)
             self._unref_staging(b)
+
+    @staticmethod
+    def _io_finished(write: bool, e: Entry, t0: float, nbytes: int) -> None:
+        """A write or read of ``nbytes`` issued at ``t0`` succeeded: the group's and the step's
+        I/O times (adaptive keep, trace)."""
+        now = time.perf_counter()
+        e.stat.io_done(write, nbytes, now)
+        e.step.io_span(write, t0, now, nbytes)
 
     def _unref_staging(self, b: Batch) -> None:
         b.staging_refs -= 1
@@ -539,8 +543,8 @@ class Offloader:
                 b.read_fut = None
             readers, b.readers = b.readers, []
             if readers and fut.exception() is None:
-                now = time.perf_counter()
-                readers[0].step.io_span(False, fut.tba_t0, now, len(fut.tba_buffer))  # type: ignore[attr-defined]
+                t0, n = fut.tba_t0, len(fut.tba_buffer)  # type: ignore[attr-defined]
+                self._io_finished(False, readers[0], t0, n)  # a batch: one group
             for e in readers:
                 self._read_done(e, fut)
 
@@ -675,10 +679,8 @@ class Offloader:
             e.host = buf
             e.from_disk = True
             e.step.bytes_reloaded += e.nbytes
-            now = time.perf_counter()
-            e.stat.io_done(False, e.padded, now)
             if e.batch is None:
-                e.step.io_span(False, fut.tba_t0, now, e.padded)  # type: ignore[attr-defined]
+                self._io_finished(False, e, fut.tba_t0, e.padded)  # type: ignore[attr-defined]
             self.cache.bury()
 
     # -- lifetimes ----------------------------------------------------------------------------

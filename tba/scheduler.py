@@ -74,6 +74,7 @@ class GroupTracker:
 
     def reset(self, step: StepState | None) -> None:
         self.step = step
+        self.stat = step.group(0) if step is not None else None  # the current group's GroupStat
         self.group = 0
         self.kept = False
         self.packed = 0
@@ -83,7 +84,7 @@ class GroupTracker:
     def begin(self, step: StepState, model: nn.Module | None) -> None:
         self.reset(step)
         step.keep_last = self.keep_last
-        step.group(0).fwd_start = time.perf_counter()
+        self.stat.fwd_start = time.perf_counter()
         if model is not None:
             blocks = self._blocks.get(model)
             if blocks is None:
@@ -106,23 +107,24 @@ class GroupTracker:
         def enter(module: nn.Module, args: Any) -> None:
             self._switch(self.group + 1)
             self.kept = kept
-            if self.step is not None:
-                self.step.group(self.group).kept = kept
+            if self.stat is not None:
+                self.stat.kept = kept
 
         return enter
 
     def _exit_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
-        if self.kept and self.step is not None:
-            self.step.group(self.group).kept = True  # after a kept block (the head): kept too
+        if self.kept and self.stat is not None:
+            self.stat.kept = True  # after a kept block (the head): kept too
 
     def _switch(self, group: int) -> None:
         """The forward moves on to ``group``: close the current group's forward time."""
-        now = time.perf_counter()
-        if self.step is not None:
-            self.step.group(self.group).fwd_end = now
-            self.step.group(group).fwd_start = now
         self.group = group
+        if self.step is not None:
+            now = time.perf_counter()
+            self.stat.fwd_end = now
+            self.stat = self.step.group(group)
+            self.stat.fwd_start = now
 
     def on_pack(self, nbytes: int) -> bool:
         """Account a pack of ``nbytes``; True when it belongs to a kept group."""
@@ -133,13 +135,13 @@ class GroupTracker:
         if window != self.group:
             self._switch(window)
         kept = self.first_kept is not None and window >= self.first_kept
-        if kept and self.step is not None:
-            self.step.group(window).kept = True
+        if kept and self.stat is not None:
+            self.stat.kept = True
         return kept
 
     def end(self) -> None:
-        if self.step is not None:
-            self.step.group(self.group).fwd_end = time.perf_counter()
+        if self.stat is not None:
+            self.stat.fwd_end = time.perf_counter()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -148,6 +150,7 @@ class GroupTracker:
         if self.step is not None:
             self.step.groups = self.group + (0 if self.by_model else 1)
         self.step = None
+        self.stat = None
 
 
 class Prefetcher:

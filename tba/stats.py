@@ -163,16 +163,14 @@ class StepState:
         Backward compute of a group is the time from its first unpack to the first unpack of the
         group backward reaches next (the last group: to its own last unpack), less its stalls.
         """
-        order = sorted(self.by_group)
         out = []
-        for i, g in enumerate(order):
+        reached_next = None  # the closest lower group with unpacks: backward reaches it next
+        for g in sorted(self.by_group):
             gs = self.by_group[g]
-            nxt = next(
-                (self.by_group[h] for h in reversed(order[:i]) if self.by_group[h].bwd_first), None
-            )
             if gs.bwd_first:
-                until = nxt.bwd_first if nxt is not None else gs.bwd_last
+                until = reached_next.bwd_first if reached_next is not None else gs.bwd_last
                 bwd = max(0.0, until - gs.bwd_first - gs.stall_seconds)
+                reached_next = gs
             else:
                 bwd = 0.0
             out.append(
