@@ -443,9 +443,6 @@ class _Doctor:
                 "ok" if missing else "warn",
                 f"{err}; auto uses the posix backend (thread pool)",
             )
-            # Without the engine, ask the kernel directly (io_uring_setup on a 1-entry ring).
-            ok, why = _probe_io_uring()
-            uring.update(available=ok, reason=why, source="doctor probe")
         else:
             nat["module"] = True
             for k in ("built", "library", "build_error"):
@@ -461,12 +458,18 @@ class _Doctor:
                     "warn",
                     f"not built: {why}{fix}. Until then auto uses the posix backend.",
                 )
+            self.memlock_from_engine = status.get("memlock_bytes", _NO_VALUE)
+        if status is not None and status.get("built"):
             uring.update(
                 available=bool(status.get("io_uring")),
                 reason=status.get("io_uring_reason") or "",
                 source="native engine",
             )
-            self.memlock_from_engine = status.get("memlock_bytes", _NO_VALUE)
+        else:
+            # Without a built engine, ask the kernel directly (io_uring_setup, a 1-entry ring):
+            # whether io_uring works here does not depend on the build.
+            ok, why = _probe_io_uring()
+            uring.update(available=ok, reason=why, source="doctor probe")
         ok, why = uring["available"], uring["reason"] or ""
         if ok:
             self.set("io_uring", "ok", f"available ({why})" if why else "available")

@@ -571,6 +571,14 @@ def test_native_module_missing(capsys, spill, monkeypatch):
     }
 
 
+def test_io_uring_is_probed_when_the_engine_is_not_built(capsys, spill, monkeypatch):
+    fake_native(monkeypatch, built=False, build_error="no compiler", io_uring=False)
+    monkeypatch.setattr(doctor, "_probe_io_uring", lambda: (True, "io_uring_setup works"))
+    rc, j = run_json(capsys, spill)
+    assert j["checks"]["native_engine"]["status"] == "warn"
+    assert j["io_uring"]["available"] is True and j["io_uring"]["source"] == "doctor probe"
+
+
 @pytest.mark.parametrize("sysctl", [0, 2])
 def test_io_uring_eperm(capsys, spill, monkeypatch, sysctl):
     fake_native(
