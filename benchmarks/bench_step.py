@@ -11,7 +11,10 @@ turn), since disk and CPU speed drift over minutes; the figures are medians over
 With ``--backends`` (or ``--keeps``), each value gets its own Offloader and its own interleaved
 mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``), and the report adds
 the ratio of the first two. ``--max-bps`` caps both directions (TBA_MAX_WRITE_BPS/READ_BPS) to
-emulate a slower disk.
+emulate a slower disk. ``--io-load`` adds a mode "none+io": the no-offload step while a
+background loop writes and reads at the rates the first tba mode moved in its previous step
+(benchmarks/_ioload.py), to separate what the disk traffic itself costs compute here from what
+tba adds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _ioload import IoLoad  # noqa: E402
 from _machine import machine_line  # noqa: E402
 
 import tba  # noqa: E402
@@ -60,6 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--keeps", default="", help="e.g. auto,0: one tba mode per TBA_KEEP_LAST")
     ap.add_argument("--max-bps", default=None, help="cap on spill write and read, e.g. 100MB/s")
     ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpointing mode")
+    ap.add_argument(
+        "--io-load",
+        action="store_true",
+        help="add none+io: no offload under disk traffic at the rates tba moved",
+    )
     args = ap.parse_args(argv)
     variants: dict[str, dict] = {}
     for b in (b for b in args.backends.split(",") if b):
@@ -73,19 +82,32 @@ def main(argv=None) -> int:
             v.update(max_write_bps=args.max_bps, max_read_bps=args.max_bps)
     tba_modes = list(variants)
     modes = ["none", *tba_modes] + ([] if args.no_checkpoint else ["checkpoint"])
+    if args.io_load:
+        modes.insert(1 + len(tba_modes), "none+io")
 
     torch.manual_seed(0)
     model = GPT(W1)
     batch = random_batch(W1, args.batch)
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
     offs = {m: tba.Offloader(tba.Config(spill_dir=spill, **v)) for m, v in variants.items()}
+    load = IoLoad(spill) if args.io_load else None
+    rates = (0.0, 0.0)  # bytes/s written and read by the first tba mode's last step
+    moved: list[float] = []  # achieved load rate / target, per none+io step
     times = {m: [] for m in modes}
     stats: dict[str, list] = {m: [] for m in tba_modes}
     losses = {m: set() for m in modes}
     try:
         for r in range(args.warmup + args.repeats):
             for mode in modes:
-                dt, st, loss = one_step(model, batch, mode, offs.get(mode))
+                if mode == "none+io":
+                    load.start(*rates)
+                dt, st, loss = one_step(model, batch, mode.removesuffix("+io"), offs.get(mode))
+                if mode == "none+io":
+                    load.stop()
+                    if r >= args.warmup:
+                        moved.append(sum(load.moved.values()) / dt / max(sum(rates), 1.0))
+                if mode == tba_modes[0]:
+                    rates = (st["bytes_offloaded"] / dt, st["bytes_reloaded"] / dt)
                 losses[mode].add(loss)
                 if r >= args.warmup:
                     times[mode].append(dt)
@@ -95,6 +117,8 @@ def main(argv=None) -> int:
     finally:
         for off in offs.values():
             off.close()
+        if load is not None:
+            load.close()
         os.rmdir(spill)
 
     med = {m: statistics.median(v) for m, v in times.items()}
@@ -116,7 +140,7 @@ def main(argv=None) -> int:
         "bytes_reloaded": last["bytes_reloaded"],
         "backend": {m: stats[m][-1]["backend"] for m in tba_modes},
         "backend_reason": {m: stats[m][-1]["backend_reason"] for m in tba_modes},
-        "losses_identical": len(set().union(*(losses[m] for m in ["none", *tba_modes]))) == 1,
+        "losses_identical": len(set().union(*(losses[m] for m in modes if m != "checkpoint"))) == 1,
         "machine": machine_line(args.spill_dir),
         "config": {
             k: v for k, v in offs[first].config.as_dict().items() if k not in ("spill_dir",)
@@ -138,6 +162,18 @@ def main(argv=None) -> int:
     paired = [t / n for t, n in zip(times[first], times["none"])]
     res["tba_over_none_paired"] = statistics.median(paired)
     res["tba_over_none_range"] = (min(paired), max(paired))
+    if args.io_load:
+        res["io_load"] = {
+            "none_io_over_none": med["none+io"] / med["none"],
+            "none_io_over_none_paired": statistics.median(
+                x / y for x, y in zip(times["none+io"], times["none"])
+            ),
+            "tba_over_none_io": med[first] / med["none+io"],
+            "tba_over_none_io_paired": statistics.median(
+                x / y for x, y in zip(times[first], times["none+io"])
+            ),
+            "achieved_over_target": statistics.median(moved),
+        }
     if len(tba_modes) == 2:
         a, b = tba_modes
         res["backend_ratio"] = {
@@ -162,6 +198,17 @@ def main(argv=None) -> int:
     if "backend_ratio" in res:
         r = res["backend_ratio"]
         print(f"{r['modes']} step time:  median {r['median']:.3f}, paired {r['paired']:.3f}")
+    if "io_load" in res:
+        io = res["io_load"]
+        print(
+            f"none+io / none (disk traffic alone): median {io['none_io_over_none']:.3f}, "
+            f"paired {io['none_io_over_none_paired']:.3f}; load achieved "
+            f"{io['achieved_over_target']:.2f} of tba's rate"
+        )
+        print(
+            f"{first} / none+io (tba beyond its traffic): median {io['tba_over_none_io']:.3f}, "
+            f"paired {io['tba_over_none_io_paired']:.3f}"
+        )
     if res["tba_over_checkpoint"] is not None:
         print(f"{first} / checkpoint step time:   {res['tba_over_checkpoint']:.3f}")
     for m, pm in res["per_mode"].items():

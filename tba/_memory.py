@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import sys
+import threading
 
 import torch
 
@@ -33,6 +35,89 @@ def aligned_empty(nbytes: int, align: int = PAGE, pin: bool = False) -> torch.Te
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % align
     return raw[start : start + nbytes]
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of 8 steps per power of two (at most 12.5% more), in pages."""
+    granule = max(PAGE, (1 << (max(nbytes, 1).bit_length() - 1)) >> 3)
+    return align_up(nbytes, granule)
+
+
+# NOTE [Read buffer reuse]
+# A read-back buffer is handed to autograd as (views of) a tensor, and autograd frees it when
+# the node that used it is done, a moment tba cannot observe through a hook. Fresh anonymous
+# mappings are returned to the kernel at once (good for peak memory, see aligned_empty) but
+# every page of every read is faulted in and zeroed again: on W1 that is ~0.8 GiB per step of
+# kernel work on the cores that run compute. The pool keeps mappings and hands them out again
+# once their last tensor is gone. It knows that without any hook: ``torch.frombuffer`` holds
+# the exporting object (the mmap) through the tensor storage's Py_buffer, so while any view of
+# the buffer lives, the mmap's reference count is one higher (tests/test_memory.py pins this).
+# The pool holds at most ``limit`` bytes of mappings (busy or free); past that, buffers are
+# plain one-off mappings. ``trim()`` (at each step's start) unmaps the free ones, so forward
+# runs without them.
+class MappedPool:
+    """Recycled page-aligned anonymous mappings for read-back buffers (NOTE [Read buffer reuse])."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pooled_bytes = 0  # mappings the pool owns, free or in use
+        self.reused = 0  # buffers served from a recycled mapping
+        self._maps: dict[int, list[mmap.mmap]] = {}  # size class -> mappings
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = size_class(nbytes)
+        with self._lock:
+            maps = self._maps.setdefault(size, [])
+            for m in maps:
+                if _refs(m) <= _FREE_REFS:
+                    self.reused += 1
+                    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if self.pooled_bytes + size <= self.limit:
+                maps.append(m)
+                self.pooled_bytes += size
+            return torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+
+    def trim(self) -> int:
+        """Unmap every free pooled mapping; returns the bytes released."""
+        released = 0
+        with self._lock:
+            for size, maps in self._maps.items():
+                keep = []
+                for m in maps:
+                    if _refs(m) <= _FREE_REFS:
+                        m.close()
+                        released += size
+                    else:
+                        keep.append(m)
+                maps[:] = keep
+            self.pooled_bytes -= released
+        return released
+
+
+def _refs(m: mmap.mmap) -> int:
+    return sys.getrefcount(m)
+
+
+def _measure_free_refs() -> int:
+    """References a free pooled mapping has when MappedPool's loops look at it: its list, the
+    loop variable, ``_refs``'s parameter and getrefcount's argument. Measured through the same
+    calls, so that no interpreter detail is assumed; then checked that a live tensor made by
+    ``torch.frombuffer`` adds exactly one."""
+    maps = [mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)]
+    for m in maps:
+        free = _refs(m)
+        busy = torch.frombuffer(m, dtype=torch.uint8)
+        held = _refs(m)
+        del busy
+        if held != free + 1 or _refs(m) != free:  # pragma: no cover - a torch change
+            raise RuntimeError("tba: torch.frombuffer no longer holds its buffer's exporter")
+        m.close()
+    return free
+
+
+_FREE_REFS = _measure_free_refs()
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:

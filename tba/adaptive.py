@@ -198,3 +198,72 @@ class KeepController:
                 w / 1e6,
                 r / 1e6,
             )
+
+
+# NOTE [Prefetch depth]
+# TBA_PREFETCH_BYTES caps the read-ahead window; within it, the window (the bytes read ahead
+# and not yet consumed by backward) is sized from measurements of the last observed step:
+#
+#   depth = L * (1 + SAFETY * c / r),  within [L, cap]
+#
+# L is the largest single read (a tensor's extent, or a whole coalesced batch), c the rate at
+# which backward consumed offloaded bytes (their bytes over backward compute time) and r the
+# achieved read bandwidth. While one read of L bytes is in flight (L / r seconds), backward
+# consumes c * L / r bytes, so the window must hold that much beyond the read itself for the
+# next read to be issued early enough; SAFETY (2) absorbs jitter. When the disk reads slower
+# than backward consumes (r <= c), no window hides that, and the cap is used (adaptive keep
+# then keeps more). A step that stalls more than STALL_SHARE of its compute raises a floor: the
+# depth never drops below twice the depth that stalled (up to the cap). A smaller window is a
+# lower peak: on W1 the read-ahead window is most of what tba keeps resident in backward.
+DEPTH_SAFETY = 2.0
+
+
+class DepthController:
+    """Chooses the read-ahead window within the TBA_PREFETCH_BYTES cap (NOTE [Prefetch depth])."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.depth = cap
+        self.floor = 0
+        self.decision: dict[str, Any] = {
+            "depth": cap,
+            "cap": cap,
+            "reason": "first step: nothing measured yet, the cap",
+        }
+
+    def observe(self, step: int, records, read_bps: float | None, largest_read: int) -> None:
+        if not records or not read_bps or not largest_read:
+            return
+        consumed = sum(x["offloaded_bytes"] for x in records)
+        bwd = sum(x["bwd_seconds"] for x in records)
+        base = sum(x["fwd_seconds"] + x["bwd_seconds"] for x in records)
+        stalled = sum(x["stall_seconds"] for x in records)
+        if stalled > STALL_SHARE * base:
+            self.floor = min(self.cap, 2 * self.depth)
+        rate = consumed / bwd if bwd > 0 else float("inf")
+        if rate >= read_bps:
+            want, why = self.cap, "the disk reads slower than backward consumes: the cap"
+        else:
+            want = int(largest_read * (1 + DEPTH_SAFETY * rate / read_bps))
+            why = "largest read plus what backward consumes while it is read, twice over"
+        depth = min(self.cap, max(want, largest_read, self.floor))
+        if self.floor and depth == self.floor and want < self.floor:
+            why = "raised after a step stalled"
+        if depth != self.depth:
+            log.info(
+                "tba: read-ahead window %d -> %d bytes after step %d (%s)",
+                self.depth,
+                depth,
+                step,
+                why,
+            )
+        self.depth = depth
+        self.decision = {
+            "depth": depth,
+            "cap": self.cap,
+            "reason": why,
+            "step": step,
+            "largest_read": largest_read,
+            "consume_bps": rate,
+            "read_bps": read_bps,
+        }

@@ -159,6 +159,19 @@ def _quota(value: Any) -> int | None:
     return n
 
 
+def _tbw(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    text = str(value).strip().lower().removesuffix("tbw").removesuffix("tb").strip()
+    try:
+        tb = float(text)
+    except ValueError:
+        raise _Bad("the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB") from None
+    if not (tb > 0 and tb != float("inf")):
+        raise _Bad("a positive number of terabytes written, e.g. 3500")
+    return tb
+
+
 def _rate(value: Any) -> int | None:
     """Bytes per second: ``300MB``, ``300MB/s``, ``1GiB/s``; 0, 'none' or empty mean no limit."""
     if value is None:
@@ -297,6 +310,20 @@ _FIELDS: dict[str, _Field] = {
         "Quota on the spill files of this process, e.g. 100GiB. 'none' (default) means only the "
         "free-space check applies. Over quota, tensors stay in memory and are counted.",
     ),
+    "node_max_disk_bytes": _Field(
+        "TBA_NODE_MAX_DISK_BYTES",
+        _quota,
+        None,
+        "Node-wide quota on the spill files of all tba processes sharing a spill root, e.g. "
+        "2TiB, kept in a shared file under flock. Over it, tensors stay in memory and are counted.",
+    ),
+    "ssd_tbw": _Field(
+        "TBA_SSD_TBW",
+        _tbw,
+        None,
+        "Rated endurance of the spill drive in terabytes written (TBW), e.g. 3500; the sidecar "
+        "then projects days left at the current write rate (tba_ssd_projected_days_left).",
+    ),
     "min_free_bytes": _Field(
         "TBA_MIN_FREE_BYTES",
         parse_size,
@@ -401,6 +428,8 @@ class Config:
     prefetch_bytes: int = _UNSET
     keep_last: int | str = _UNSET
     max_disk_bytes: int | None = _UNSET
+    node_max_disk_bytes: int | None = _UNSET
+    ssd_tbw: float | None = _UNSET
     min_free_bytes: int = _UNSET
     slab_bytes: int = _UNSET
     group_bytes: int = _UNSET

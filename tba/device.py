@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._memory import aligned_empty
+from ._memory import MAPPED_BYTES, PAGE, MappedPool, aligned_empty
 
 
 def _device_empty(nbytes: int, align: int, device: torch.device) -> torch.Tensor:
@@ -93,17 +93,31 @@ class DeviceAdapter(Protocol):
 
     def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
+    def trim(self) -> None: ...
+
 
 class CpuAdapter:
-    """Host memory is device memory: captures are memcpy, read-backs are zero-copy."""
+    """Host memory is device memory: captures are memcpy, read-backs are zero-copy.
+
+    Read buffers of 1 MiB and more come from a :class:`MappedPool` of at most ``pool_bytes``
+    (NOTE [Read buffer reuse]); ``trim()`` unmaps its free mappings.
+    """
 
     name = "cpu"
+
+    def __init__(self, pool_bytes: int = 0):
+        self.pool = MappedPool(pool_bytes)
 
     def staging_arena(self, nbytes: int, align: int) -> torch.Tensor:
         return aligned_empty(nbytes, align)
 
     def host_buffer(self, nbytes: int, align: int) -> torch.Tensor:
+        if nbytes >= MAPPED_BYTES and PAGE % align == 0:
+            return self.pool.get(nbytes)
         return aligned_empty(nbytes, align)
+
+    def trim(self) -> None:
+        self.pool.trim()
 
     def capture(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         # Synchronous on the packing thread: no later in-place op can race with this copy.
@@ -230,6 +244,9 @@ class CudaAdapter:
             copied = self.cuda.Event(blocking=True)
             copied.record(self.side)
         copied.synchronize()
+
+    def trim(self) -> None:
+        """Pinned buffers are cached by torch's host allocator; nothing of tba's to release."""
 
     def _prune(self) -> None:
         """Drop the pinned sources whose H2D copies have completed."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ._memory import io_buffer
-from .adaptive import KeepController
+from .adaptive import DepthController, KeepController
 from .cache import (
     CAPTURE,
     DEAD,
@@ -89,6 +89,7 @@ class Offloader:
         self.cache = Cache(self, self._lock)
         self.policy = Policy(config.min_offload_bytes)
         self.keeper = KeepController(config.keep_last, config.prefetch_bytes)
+        self.depth = DepthController(config.prefetch_bytes)
         self.groups = GroupTracker(self.keeper.k, config.group_bytes)
         self._trace: TraceWriter | None = None
         if config.trace:
@@ -131,6 +132,8 @@ class Offloader:
             self._active_thread = me
             self.cache.bury()
             self._observe_last()
+            for adapter, _ in self._adapters.values():
+                adapter.trim()  # forward runs without last backward's spare read buffers
             self.groups.keep_last = self.keeper.k
             self._steps += 1
             st = StepState(self._steps)
@@ -166,6 +169,7 @@ class Offloader:
                 out["backend_reason"] = self.backend.reason
                 out["keep_last"] = self.keeper.k
                 out["keep_decision"] = dict(self.keeper.decision)
+                out["prefetch_decision"] = dict(self.depth.decision)
                 out["resident_bytes"] = self.cache.resident
                 out["prefetch_inflight_bytes"] = self.prefetcher.inflight
                 out["live_entries"] = len(self._live)
@@ -213,6 +217,8 @@ class Offloader:
             self._observe_last()
         if self._trace is not None:
             self._trace.close()
+        for adapter, _ in self._adapters.values():
+            adapter.trim()
         self.backend.close()
 
     def __enter__(self) -> Offloader:
@@ -752,6 +758,8 @@ class Offloader:
             lambda k: self.groups.kept_from(k, n),
             self.groups.max_keep(n),
         )
+        self.depth.observe(st.index, records, r, st.largest_read())
+        self.prefetcher.budget = self.keeper.prefetch = self.depth.depth
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
             self._trace.step(
@@ -784,7 +792,7 @@ class Offloader:
         got = self._adapters.get(device)
         if got is None:
             if device.type == "cpu":
-                adapter: DeviceAdapter = CpuAdapter()
+                adapter: DeviceAdapter = CpuAdapter(2 * self.config.prefetch_bytes)
             else:  # device memory straight to disk when the backend can (kvikio with GDS)
                 adapter = adapter_for(device, direct=getattr(self.backend, "device_direct", False))
             arena = adapter.staging_arena(self.config.staging_bytes, self.align)

@@ -157,6 +157,10 @@ class StepState:
         total = sum(n for _, _, n in spans)
         return total / busy if busy > 0 else None
 
+    def largest_read(self) -> int:
+        """Bytes of the largest single read of this step (0 when nothing was read)."""
+        return max((n for _, _, n in self.io_spans[1]), default=0)
+
     def group_records(self) -> list[dict[str, Any]]:
         """One dict per group, in forward order, with compute and I/O times in seconds.
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import tba
-from tba.adaptive import Group, KeepController, simulate
+from tba.adaptive import DEPTH_SAFETY, DepthController, Group, KeepController, simulate
 from tba.testing import GPT, GPTConfig, random_batch
+
+MIB = 1 << 20
 
 MB = 10**6
 
@@ -164,3 +166,73 @@ def test_trace_records_every_group_and_step(make_offloader, tmp_path):
 def test_unwritable_trace_is_a_config_error(make_offloader, tmp_path):
     with pytest.raises(tba.ConfigError, match="TBA_TRACE=.* cannot be opened"):
         make_offloader(trace=str(tmp_path / "no" / "such" / "dir" / "t.jsonl"))
+
+
+def _rec(fwd, bwd, offloaded, stall=0.0):
+    return {
+        "fwd_seconds": fwd,
+        "bwd_seconds": bwd,
+        "offloaded_bytes": offloaded,
+        "stall_seconds": stall,
+    }
+
+
+def test_depth_is_the_largest_read_plus_what_backward_eats_while_it_is_read():
+    d = DepthController(cap=128 * MIB)
+    # backward consumes 100 MiB/s, the disk reads 1000 MiB/s, the largest read is 8 MiB
+    d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == int(8 * MIB * (1 + DEPTH_SAFETY * 0.1))
+    assert d.decision["cap"] == 128 * MIB and d.decision["step"] == 2
+
+
+def test_depth_is_the_cap_when_the_disk_is_slower_than_backward():
+    d = DepthController(cap=64 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 300 * MIB)], read_bps=200 * MIB, largest_read=8 * MIB)
+    assert d.depth == 64 * MIB and "slower" in d.decision["reason"]
+
+
+def test_depth_never_exceeds_the_cap_and_covers_one_read():
+    d = DepthController(cap=4 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 10 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == 4 * MIB  # the cap wins, as the user asked (reads then go one at a time)
+    d = DepthController(cap=64 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 1 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert 8 * MIB <= d.depth < 9 * MIB
+
+
+def test_a_stall_raises_a_floor_that_stays():
+    d = DepthController(cap=128 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    small = d.depth
+    d.observe(3, [_rec(0.5, 1.0, 100 * MIB, stall=0.2)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == 2 * small and "stalled" in d.decision["reason"]
+    d.observe(4, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == 2 * small  # the floor holds without new stalls
+
+
+def test_nothing_measured_changes_nothing():
+    d = DepthController(cap=32 * MIB)
+    d.observe(2, [], read_bps=None, largest_read=0)
+    d.observe(3, [_rec(0.5, 1.0, MIB)], read_bps=None, largest_read=MIB)
+    assert d.depth == 32 * MIB and d.decision["reason"].startswith("first step")
+
+
+def test_offloader_sizes_its_window_from_measurements(make_offloader):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    x = torch.randn(2048, 256)  # 2 MiB per saved activation, 16 MiB per step
+    off = make_offloader(prefetch_bytes="64MiB", group_bytes="2MiB", coalesce_bytes=0)
+    want = None
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with off.step():
+            loss = model(x).square().mean()
+        loss.backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        want = want or got
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    dec = off.stats()["prefetch_decision"]
+    assert dec["cap"] == 64 * MIB
+    assert dec["largest_read"] >= 2 * MIB
+    assert dec["largest_read"] <= dec["depth"] <= 64 * MIB
+    assert off.prefetcher.budget == dec["depth"]
