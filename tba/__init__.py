@@ -17,6 +17,7 @@ import contextlib
 import threading
 from typing import Any
 
+from . import metrics  # tba.metrics.registry(), METRICS: see README "Metrics"
 from .config import Config
 from .errors import (
     CapacityError,
@@ -42,6 +43,7 @@ __all__ = [
     "UnpackError",
     "UsageError",
     "default_offloader",
+    "metrics",
     "offload",
 ]
 

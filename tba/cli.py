@@ -1,5 +1,4 @@
-"""The ``tba`` command: ``tba doctor`` and ``tba bench`` (more subcommands, such as ``plan`` and
-``sidecar``, plug in the same way).
+"""The ``tba`` command: ``tba doctor``, ``tba bench``, ``tba plan`` and ``tba sidecar``.
 
 Each subcommand is an ``_add_<name>`` function in ``SUBCOMMANDS`` that registers its parser and
 sets ``run`` to a handler; the handler imports the module doing the work, so ``tba --help``
@@ -334,10 +333,170 @@ def _run_plan(args: argparse.Namespace) -> int:
     return plan.run_cli(args)
 
 
+# -- tba sidecar -----------------------------------------------------------------------------------
+def _seconds(low: float, high: float, example: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected seconds from {low:g} to {high:g}, such as {example}; got {text!r}"
+            )
+        return v
+
+    return parse
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a TCP port from 0 to 65535 (0 picks a free one); got {text!r}"
+        )
+    return int(text)
+
+
+def _tbw(text: str) -> float:
+    t = text.strip().lower().removesuffix("tbw").removesuffix("tb").strip()
+    try:
+        v = float(t)
+    except ValueError:
+        v = 0.0
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(
+            "expected the drive's rated endurance in terabytes written (the TBW on its data "
+            f"sheet), such as 3500 or 3500TB; got {text!r}"
+        )
+    return v
+
+
+def _add_sidecar(sub: argparse._SubParsersAction) -> None:
+    from .sidecar.settings import DEFAULT_PORT
+
+    p = sub.add_parser(
+        "sidecar",
+        help="one per node: serve every rank's metrics (/metrics, /healthz, /status), janitor",
+        description=(
+            "Serve the metrics every tba process on this node writes into TBA_METRICS_DIR, "
+            "merged, plus node gauges (spill filesystems, SSD endurance, janitor), on "
+            "/metrics; /healthz and /status (JSON) too. Every --interval it scans the spill "
+            "roots and /sys and reclaims what dead ranks left behind (their live-gauge files and "
+            "empty spill directories). Logs are JSON lines on stderr; SIGTERM stops it cleanly. "
+            "Exit 0: stopped; 2: bad arguments or settings (the message names the fix)."
+        ),
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 for a scrape from another host)",
+    )
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one and logs it)",
+    )
+    p.add_argument(
+        "--metrics-dir",
+        metavar="DIR",
+        help="the ranks' TBA_METRICS_DIR (default: TBA_METRICS_DIR); it must exist",
+    )
+    p.add_argument(
+        "--spill-dir",
+        metavar="DIR",
+        action="append",
+        help="a spill root to watch and clean; repeat for several (default: TBA_SPILL_DIR)",
+    )
+    p.add_argument(
+        "--interval",
+        type=_seconds(0.1, 3600, "10"),
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between scans and janitor passes (default 10)",
+    )
+    p.add_argument(
+        "--rate-window",
+        type=_seconds(1, 7 * 86400, "3600"),
+        default=3600.0,
+        metavar="SECONDS",
+        help="span of the write-rate samples behind the endurance figures (default 3600)",
+    )
+    p.add_argument(
+        "--ssd-tbw",
+        type=_tbw,
+        metavar="TB",
+        help="rated endurance of each spill drive in TB written (default: TBA_SSD_TBW)",
+    )
+    p.add_argument(
+        "--no-janitor",
+        action="store_true",
+        help="remove nothing; only report (the metrics dir may then be read-only)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        default="INFO",
+        help="level of the JSON log on stderr (default INFO)",
+    )
+    p.set_defaults(run=_run_sidecar, parser=p)
+
+
+def _run_sidecar(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .config import Config
+    from .errors import ConfigError
+    from .sidecar import Settings, Sidecar, SidecarError
+    from .sidecar._log import install
+
+    def usage(msg: str) -> int:
+        args.parser.print_usage(sys.stderr)
+        print(f"tba sidecar: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+    try:
+        config = Config()
+    except ConfigError as e:
+        return usage(str(e))
+    metrics_dir = args.metrics_dir or config.metrics_dir
+    if not metrics_dir:
+        return usage(
+            "no metrics directory: pass --metrics-dir DIR or set TBA_METRICS_DIR, the directory "
+            "the training processes write their metrics into"
+        )
+    if args.rate_window < 2 * args.interval:
+        return usage(
+            f"--rate-window {args.rate_window:g} is shorter than two --interval periods "
+            f"({2 * args.interval:g} s): a rate needs at least two samples"
+        )
+    settings = Settings(
+        metrics_dir=metrics_dir,
+        spill_roots=tuple(args.spill_dir or [config.spill_dir]),
+        host=args.host,
+        port=args.port,
+        interval=args.interval,
+        ssd_tbw=args.ssd_tbw if args.ssd_tbw is not None else config.ssd_tbw,
+        rate_window=args.rate_window,
+        janitor=not args.no_janitor,
+    )
+    try:
+        sidecar = Sidecar(settings)  # checks the metrics dir
+    except SidecarError as e:
+        return usage(str(e))
+    install(args.log_level)
+    try:
+        return asyncio.run(sidecar.run())
+    except SidecarError as e:  # e.g. the port is taken
+        return usage(str(e))
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_doctor,
     _add_bench,
     _add_plan,
+    _add_sidecar,
 )
 
 

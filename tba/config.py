@@ -166,7 +166,9 @@ def _tbw(value: Any) -> float | None:
     try:
         tb = float(text)
     except ValueError:
-        raise _Bad("the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB") from None
+        raise _Bad(
+            "the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB"
+        ) from None
     if not (tb > 0 and tb != float("inf")):
         raise _Bad("a positive number of terabytes written, e.g. 3500")
     return tb

@@ -41,6 +41,7 @@ from .config import Config
 from .device import CpuAdapter, DeviceAdapter, adapter_for
 from .errors import StorageError, TBAError, UsageError
 from .hook import OffloadHooks
+from .metrics import RankMetrics
 from .policy import Policy
 from .scheduler import GroupTracker, Prefetcher
 from .staging import StagingPool
@@ -75,16 +76,23 @@ class Offloader:
         self._seq = 0
         self._disk_in_use = 0
         self._disk_full_step = -1
+        self._disk_full_reason = "disk_full"
         self._warned: set[str] = set()
         self._pending: set[Future] = set()
         self._live: set[Entry] = set()
         self.param_storages: frozenset[int] = frozenset()
+        self.metrics: RankMetrics | None = None
         if not self.enabled:
             self.backend = None
             return
         from .storage import open_backend
 
         self.backend = open_backend(config)
+        try:
+            self.metrics = RankMetrics(config, self.backend)
+        except BaseException:
+            self.backend.close()
+            raise
         self.align = self.backend.alignment
         self.cache = Cache(self, self._lock)
         self.policy = Policy(config.min_offload_bytes)
@@ -132,12 +140,14 @@ class Offloader:
             self._active_thread = me
             self.cache.bury()
             self._observe_last()
+            self._publish(settle=True)
             for adapter, _ in self._adapters.values():
                 adapter.trim()  # forward runs without last backward's spare read buffers
             self.groups.keep_last = self.keeper.k
             self._steps += 1
             st = StepState(self._steps)
             self._current = st
+            self.metrics.track(st)
             if model is not None:
                 self.param_storages = self._model_storages(model)
             self.groups.begin(st, model)
@@ -154,12 +164,14 @@ class Offloader:
                 self.param_storages = frozenset()
                 self._last = st
                 self.prefetcher.arm(st)
+                self._publish(settle=False)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the last step whose forward has ended (see ARCHITECTURE.md for keys)."""
         with self._lock:
             if self.enabled:
                 self.cache.bury()
+                self._publish(settle=False)  # the metrics' totals now include these numbers
             st = self._last
             if st is None:
                 st = StepState(0)
@@ -215,6 +227,8 @@ class Offloader:
             self._capture_pool.shutdown(wait=True)
         with self._lock:
             self._observe_last()
+            self._publish(settle=True)
+            self.metrics.close()
         if self._trace is not None:
             self._trace.close()
         for adapter, _ in self._adapters.values():
@@ -282,7 +296,7 @@ class Offloader:
 
     def _new_entry(self, t, storage, ekey, whole, nbytes, stride, st: StepState) -> Entry | str:
         if self._disk_full_step == st.index:
-            return "disk_full"
+            return self._disk_full_reason
         adapter, staging = self._device(t.device)
         batch = None
         if nbytes < self.config.coalesce_bytes:
@@ -298,8 +312,7 @@ class Offloader:
             extent = self.backend.allocate(nbytes)
             if extent is None:
                 staging.free(block)
-                self._disk_full(st)
-                return "disk_full"
+                return self._disk_full(st)
             if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
                 staging.free(block)
                 self.backend.free(extent)
@@ -401,9 +414,11 @@ class Offloader:
     def _write_failed(self, e: Entry, err: BaseException) -> None:
         """Keep the bytes in memory: a failed write never loses data."""
         e.step.io_errors += 1
+        self.metrics.io_error("write", err)
         code = getattr(err, "errno", None)
         if code in (errno.ENOSPC, errno.EDQUOT):
             self._disk_full_step = e.step.index
+            self._disk_full_reason = "disk_full"
         self._warn_once(
             f"write-{code}",
             f"tba: a spill write failed ({err}); keeping its tensor in memory, exact",
@@ -419,9 +434,22 @@ class Offloader:
         self._free_extent(e)
         e.state = MEMORY
 
-    def _disk_full(self, st: StepState) -> None:
+    def _disk_full(self, st: StepState) -> str:
+        """The backend refused an extent: keep in memory for the rest of the step. Returns the
+        kept reason: "node_quota" (TBA_NODE_MAX_DISK_BYTES) or "disk_full"."""
+        reason = getattr(self.backend, "refusal", "disk_full")
         self._disk_full_step = st.index
-        self._warn_once("disk_full", "tba: no disk space within quota; keeping in memory")
+        self._disk_full_reason = reason
+        if reason == "node_quota":
+            self._warn_once(
+                reason,
+                "tba: the node-wide spill quota (TBA_NODE_MAX_DISK_BYTES="
+                f"{self.config.node_max_disk_bytes}) is used up by the tba processes of this "
+                "node; keeping in memory",
+            )
+        else:
+            self._warn_once("disk_full", "tba: no disk space within quota; keeping in memory")
+        return reason
 
     def _count_disk(self, st: StepState, nbytes: int) -> None:
         self._disk_in_use += nbytes
@@ -498,13 +526,13 @@ class Offloader:
                 self._write_done(m, fut)
             self._unref_staging(b)
 
-    @staticmethod
-    def _io_finished(write: bool, e: Entry, t0: float, nbytes: int) -> None:
+    def _io_finished(self, write: bool, e: Entry, t0: float, nbytes: int) -> None:
         """A write or read of ``nbytes`` issued at ``t0`` succeeded: the group's and the step's
-        I/O times (adaptive keep, trace)."""
+        I/O times (adaptive keep, trace) and the metrics."""
         now = time.perf_counter()
         e.stat.io_done(write, nbytes, now)
         e.step.io_span(write, t0, now, nbytes)
+        self.metrics.io_log.append((write, now - t0, nbytes))
 
     def _unref_staging(self, b: Batch) -> None:
         b.staging_refs -= 1
@@ -677,8 +705,10 @@ class Offloader:
                 self.cache.uncharge(e.padded)
                 if err is not None:
                     e.step.io_errors += 1
-                    e.error = err if isinstance(err, StorageError) else _as_storage_error(err, e)
-                    e.state = FAILED
+                    self.metrics.io_error("read", err)
+                    if e.state != DEAD:  # a dead entry's extent is freed below, not kept FAILED
+                        e.error = err if isinstance(err, StorageError) else _as_error(err, e)
+                        e.state = FAILED
                 if e.state == DEAD:
                     self._release_io_resources(e)
                 return
@@ -783,6 +813,14 @@ class Offloader:
             )
 
     # -- helpers ------------------------------------------------------------------------------
+    def _publish(self, settle: bool) -> None:
+        """Push counters and gauges to the metrics (NOTE [Metrics] in tba/metrics.py). With
+        ``settle``, the steps that can no longer count are pushed one last time and forgotten:
+        after its forward, only a step's live entries change its numbers. Lock held."""
+        busy = {e.step for e in self._live} if settle else None
+        staging = sum(pool.in_use for _, pool in self._adapters.values())
+        self.metrics.publish(busy, self.cache.resident, staging, self._disk_in_use, self.keeper.k)
+
     def note_resident(self, value: int) -> None:
         st = self._current
         if st is not None and value > st.peak_resident_bytes:
@@ -823,7 +861,7 @@ class Offloader:
             log.warning(msg)
 
 
-def _as_storage_error(err: BaseException, e: Entry) -> StorageError:
+def _as_error(err: BaseException, e: Entry) -> StorageError:
     ext = e.extent
     code = getattr(err, "errno", None) or errno.EIO
     return StorageError("read", "spill file", ext.offset if ext else -1, e.padded, code, str(err))

@@ -7,6 +7,7 @@ Reasons a tensor stays in memory (the keys of ``stats()["kept_reasons"]``):
 - ``group``: it belongs to one of the last ``keep_last`` groups, which backward needs first.
 - ``staging_full``: the staging pool is full; blocking the forward would cost more.
 - ``disk_full``: the quota, the free-space check or the filesystem refused an extent.
+- ``node_quota``: the node-wide quota (``TBA_NODE_MAX_DISK_BYTES``) is used up by the ranks.
 
 Parameters, views of parameter storage and other leaves that require grad are never offloaded
 nor counted: something else holds them anyway, so writing them would free nothing.

@@ -159,6 +159,25 @@ def test_unpack_while_writes_in_flight_uses_staging(make_offloader, model):
     assert off.stats()["disk_bytes_in_use"] == 0
 
 
+def test_a_failed_read_of_a_dropped_graph_frees_its_extent(make_offloader, model):
+    """The graph dies while its prefetch reads are in flight, then the reads fail: the extents
+    go back (the entries are dead, not FAILED) and the error is still counted."""
+    off = make_offloader(backend="posix", prefetch_bytes="64MiB")
+    x, y = random_batch(CFG, 4)
+    with off.step(model):
+        loss = model(x, y)
+        off.synchronize()  # every write done: the reads armed at the end of forward go to disk
+        failing_read, ev = gate(failing(os.preadv, errno.EIO))
+        off.backend._preadv = failing_read
+    assert off.stats()["disk_bytes_in_use"] > 0
+    del loss  # no backward: every handle dies with its reads still blocked
+    ev.set()
+    off.synchronize()
+    st = off.stats()
+    assert st["io_errors"] > 0
+    assert st["disk_bytes_in_use"] == 0
+
+
 def test_slow_reads_stall_but_stay_exact(make_offloader, model):
     want = grads_of(model)
     off = make_offloader(backend="posix")

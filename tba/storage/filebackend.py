@@ -30,6 +30,7 @@ from ..config import Config
 from ..errors import StorageError, hint_for
 from .base import Extent
 from .checksum import Digest, checksum_fn
+from .nodequota import NodeQuota
 from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_rate, describe_caps
 from .slab import Slab, SlabSet, open_unnamed
 from .spilldir import SpillDir
@@ -83,9 +84,13 @@ class SlabBackend:
         self._caps: dict[str, tuple[int, int] | None] = dict.fromkeys(DIRECTIONS)
         self._buckets = {op: TokenBucket() for op in DIRECTIONS}
         self._spill = SpillDir(cfg.spill_dir, cfg.rank)
+        node = None
         try:
             self.dio, self.alignment = self._probe()
             self.fs = fs_type(self._spill.path)
+            if cfg.node_max_disk_bytes is not None:  # NOTE [Node quota] in nodequota.py
+                sp = self._spill
+                node = NodeQuota(sp.root_fd, sp.root, sp.name, cfg.node_max_disk_bytes, cfg.rank)
         except BaseException:
             self._spill.close()
             raise
@@ -99,6 +104,7 @@ class SlabBackend:
             cfg.slab_bytes,
             cfg.max_disk_bytes,
             cfg.min_free_bytes,
+            node,
         )
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tba-io")
         self._pacers = {
@@ -113,6 +119,12 @@ class SlabBackend:
             if bps:
                 self._caps[op] = self._apply_rate(op, bps, None)
         self.reason = f"{self.name}: {self.probe_summary()}"
+
+    @property
+    def refusal(self) -> str:
+        """Why the last ``allocate`` that returned None refused: "node_quota" (the node-wide
+        TBA_NODE_MAX_DISK_BYTES) or "disk_full" (this process's quota, free space, an error)."""
+        return self._slabs.last_refusal or "disk_full"
 
     @property
     def spill_path(self) -> str:

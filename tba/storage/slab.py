@@ -12,6 +12,11 @@ NOTE [Slabs]
    make room before refusing.
 3. Each slab has an :class:`ExtentAllocator`; freed extents are reused (an overwrite is the
    cheapest write).
+4. With a node quota (``TBA_NODE_MAX_DISK_BYTES``, NOTE [Node quota] in nodequota.py), growth
+   that passed the checks of 2 also asks the node ledger, which may grant less (at least the
+   request) or refuse; empty slabs are released to retry once. Every change of the slab bytes
+   (growth before the fallocate, release after the close) is recorded in the ledger.
+   ``last_refusal`` says which limit refused last: "node_quota" or "disk_full".
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from ..errors import StorageError, TBAError, hint_for
 from .alloc import ExtentAllocator
 from .base import Extent
+from .nodequota import NodeQuota
 
 __all__ = ["Slab", "SlabSet", "open_unnamed"]
 
@@ -103,6 +109,7 @@ class SlabSet:
         slab_bytes: int,
         max_disk_bytes: int | None,
         min_free_bytes: int,
+        node: NodeQuota | None = None,
     ):
         self.dir_fd = dir_fd
         self.dir_path = dir_path
@@ -116,6 +123,9 @@ class SlabSet:
         self.refused_quota = 0
         self.refused_space = 0
         self.refused_error = 0
+        self.refused_node = 0
+        self.last_refusal = ""
+        self.node = node
         self._next = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -138,6 +148,8 @@ class SlabSet:
                     return Extent(slab.index, off, slab.alloc.size_of(off))
             slab = self._grow(nbytes, fallocate, statvfs)
             if slab is None:
+                if not self.last_refusal:
+                    self.last_refusal = "disk_full"
                 return None
             off = slab.alloc.alloc(nbytes)
             if off is None:  # pragma: no cover - the slab was sized for this request
@@ -157,6 +169,8 @@ class SlabSet:
             del self.slabs[s.index]
             self.reserved -= s.size
             os.close(s.fd)
+        if empty and self.node is not None:
+            self.node.set(self.reserved)  # after the close: the ledger never under-counts
         return bool(empty)
 
     def _grow(
@@ -167,6 +181,7 @@ class SlabSet:
     ) -> Slab | None:
         a = self.align
         need = max(a, (nbytes + a - 1) // a * a)
+        self.last_refusal = ""
         try:
             quota_room, space_room = self._room(statvfs)
             short = (quota_room is not None and quota_room < need) or space_room < need
@@ -198,6 +213,15 @@ class SlabSet:
         if quota_room is not None:
             size = min(size, quota_room // a * a)
         size = min(size, space_room // a * a)
+        if self.node is not None:
+            granted = self.node.grow(self.reserved, need, size, a)
+            if not granted and self._release_empty():
+                granted = self.node.grow(self.reserved, need, size, a)
+            if not granted:
+                self.refused_node += 1
+                self.last_refusal = "node_quota"
+                return None
+            size = granted
         index = self._next
         self._next += 1
         display = f"{self.dir_path}/slab-{index} (unlinked)"
@@ -206,6 +230,7 @@ class SlabSet:
         except StorageError as e:
             self.refused_error += 1
             log.warning("%s", e)
+            self._unreserve()
             return None
         try:
             try:
@@ -216,6 +241,7 @@ class SlabSet:
                 os.ftruncate(fd, size)  # sparse: space is not reserved, but I/O works
         except OSError as e:
             os.close(fd)
+            self._unreserve()
             if e.errno in _NO_SPACE:
                 self.refused_space += 1
                 log.debug("tba.storage: fallocate of %d bytes for %s: %s", size, display, e)
@@ -229,6 +255,11 @@ class SlabSet:
         self.reserved += size
         log.debug("tba.storage: new slab %s of %d bytes", display, size)
         return slab
+
+    def _unreserve(self) -> None:
+        """Growth failed after the node ledger granted it: give the grant back."""
+        if self.node is not None:
+            self.node.set(self.reserved)
 
     def free(self, extent: Extent) -> None:
         with self._lock:
@@ -273,3 +304,5 @@ class SlabSet:
                 os.close(s.fd)
             self.slabs.clear()
             self.reserved = 0
+            if self.node is not None:
+                self.node.close()  # after the slabs: the ledger never under-counts

@@ -14,6 +14,8 @@ NOTE [Spill directory safety]
    is empty: ``rmdir`` cannot delete anything else. Nothing else in the root is touched.
 4. Slab files have no name (O_TMPFILE, or unlinked right after open), so the directory stays
    empty and even SIGKILL leaves no bytes behind; at worst an empty directory for the sweep.
+5. The root may also hold ``.tba-node-quota``, the node quota ledger (NOTE [Node quota] in
+   nodequota.py). It is a file and matches no per-process name: the sweep never touches it.
 """
 
 from __future__ import annotations
@@ -164,6 +166,11 @@ class SpillDir:
             raise
         self.path = os.path.join(self.root, self.name)
         self._closed = False
+
+    @property
+    def root_fd(self) -> int:
+        """An fd on the root, open while this lives (for files next to the per-process dirs)."""
+        return self._root_fd
 
     def _make_own(self, rank: int) -> tuple[str, int]:
         base = f"{host_tag()}-{os.getpid()}-rank{rank}"
