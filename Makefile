@@ -19,8 +19,11 @@ $(VENV)/.base: pyproject.toml setup.py $(wildcard native/*) | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
+# The integration tests need the real frameworks (the integrations extra, exact versions);
+# the constraint keeps pip from replacing the pinned torch build while resolving them.
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e ".[test]"
+	echo "$(TORCH)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[test,integrations]"
 	touch $@
 
 demo: $(VENV)/.base

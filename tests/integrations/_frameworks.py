@@ -1,0 +1,81 @@
+"""Test-only set-up to run the real frameworks on a CPU-only machine, in the pytest process.
+
+Each shim below is the narrowest change that lets a framework's own code run here; none
+replaces the framework's computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_world_of_one(tmp_path) -> None:
+    """A gloo process group of one rank (DeepSpeed and megatron-core need one)."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path}/pg-store", rank=0, world_size=1
+        )
+
+
+def deepspeed_cpu() -> None:
+    """DeepSpeed on the CPU without a 40-80 s C++ build.
+
+    DeepSpeed's CPU communication backend JIT-compiles a shared-memory all-reduce kernel
+    (``deepspeed_shm_comm``) when it starts. Only ``inference_all_reduce`` uses it; training
+    collectives go through torch.distributed (gloo here) either way. Marking it incompatible
+    makes DeepSpeed skip the build, as it does on platforms where the kernel cannot build.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class _NoBuffer:
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(shape, dtype=dtype)
+
+
+class CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensor factories asked for ``device="cuda"`` get the CPU.
+
+    megatron-core's schedules allocate their token counter with ``device="cuda"``
+    (``forward_backward_no_pipelining``); everything else already follows the model's device.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_cpu(tmp_path):
+    """megatron-core (TP=1, PP=1) on the CPU: the two shims of ANCHORS.md, and the schedule's
+    one CUDA allocation moved to the CPU (:class:`CudaFactoriesOnCpu`)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_world_of_one(tmp_path)
+    parallel_state.initialize_model_parallel(1, 1)
+    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    parallel_state._GLOBAL_MEMORY_BUFFER = _NoBuffer()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    try:
+        with CudaFactoriesOnCpu():
+            yield
+    finally:
+        del tracker.fork
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
+        parallel_state.destroy_model_parallel()
