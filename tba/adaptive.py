@@ -218,6 +218,16 @@ class KeepController:
 DEPTH_SAFETY = 2.0
 
 
+def read_ahead(largest: int, consume_bps: float, read_bps: float, cap: int) -> tuple[int, str]:
+    """The read-ahead window for these measurements, and why (NOTE [Prefetch depth]); the
+    planner (tba/plan.py) sizes its simulated window with the same rule."""
+    if consume_bps >= read_bps:
+        return cap, "the disk reads slower than backward consumes: the cap"
+    want = int(largest * (1 + DEPTH_SAFETY * consume_bps / read_bps))
+    why = "largest read plus what backward consumes while it is read, twice over"
+    return min(cap, max(want, largest)), why
+
+
 class DepthController:
     """Chooses the read-ahead window within the TBA_PREFETCH_BYTES cap (NOTE [Prefetch depth])."""
 
@@ -241,11 +251,7 @@ class DepthController:
         if stalled > STALL_SHARE * base:
             self.floor = min(self.cap, 2 * self.depth)
         rate = consumed / bwd if bwd > 0 else float("inf")
-        if rate >= read_bps:
-            want, why = self.cap, "the disk reads slower than backward consumes: the cap"
-        else:
-            want = int(largest_read * (1 + DEPTH_SAFETY * rate / read_bps))
-            why = "largest read plus what backward consumes while it is read, twice over"
+        want, why = read_ahead(largest_read, rate, read_bps, self.cap)
         depth = min(self.cap, max(want, largest_read, self.floor))
         if self.floor and depth == self.floor and want < self.floor:
             why = "raised after a step stalled"

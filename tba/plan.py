@@ -49,8 +49,10 @@ tba's rules (README "How it works"):
   ``capture_gbps`` is set: the CPU memcpy) and the write is queued. Staging frees when the write
   completes; nothing cancels a write.
 - At the end of forward the prefetch plan is the offloaded tensors in reverse pack order. Reads
-  are issued in order while bytes issued and not yet used stay within ``prefetch_bytes`` (at
-  least one). A tensor still being written takes budget and is copied from staging when its
+  are issued in order while bytes issued and not yet used stay within the read-ahead window
+  (at least one): tba's rule from the largest tensor, the backward consumption rate and the
+  read rate, capped at ``prefetch_bytes`` (NOTE [Prefetch depth] in tba/adaptive.py). A
+  tensor still being written takes budget and is copied from staging when its
   write completes (no read). Each use returns its budget and issues more.
 - Backward, per group in reverse: a tensor is used at its unpack time. Kept ones are released.
   An offloaded one waits for its read (stall), or is copied out of staging when its write is
@@ -83,6 +85,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .adaptive import read_ahead
 from .config import format_size
 from .storage.alloc import ExtentAllocator
 
@@ -729,6 +732,14 @@ class _Sim:
 
         plan = entries[::-1]  # reverse pack order
         state = {"cursor": 0, "inflight": 0, "read": 0}
+        # the window tba sizes from measured rates within the cap (NOTE [Prefetch depth])
+        bwd_total = sum(g.bwd for g in w.groups)
+        consume = written / bwd_total if bwd_total > 0 else math.inf
+        window = (
+            read_ahead(max(e.padded for e in entries), consume, hw.read_rate, kn.prefetch_bytes)[0]
+            if entries
+            else kn.prefetch_bytes
+        )
 
         def pump(now: float) -> None:
             while state["cursor"] < len(plan):
@@ -736,7 +747,7 @@ class _Sim:
                 if e.used or e.budgeted or e.read_done is not None:
                     state["cursor"] += 1
                     continue
-                if state["inflight"] and state["inflight"] + e.padded > kn.prefetch_bytes:
+                if state["inflight"] and state["inflight"] + e.padded > window:
                     return
                 e.budgeted = e.padded
                 state["inflight"] += e.padded

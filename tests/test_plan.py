@@ -9,6 +9,7 @@ import pytest
 
 from tba import cli
 from tba import plan as P
+from tba.adaptive import read_ahead
 
 MiB = 1 << 20
 INF = P.Hardware(None, None, device="cpu")
@@ -104,9 +105,10 @@ def test_infinite_bandwidth_no_stall_step_is_compute():
         assert r.step_seconds == pytest.approx(w.compute_seconds)
         head = 2 * MiB if k == 0 else 0  # the head is kept with the last block, from K=1
         assert r.bytes_read == r.bytes_written == (3 - k) * 16 * MiB + head
-    # K=1: the last block and the head stay; the prefetch window is charged at forward end
+    # K=1: the last block and the head stay; the read-ahead window is charged at forward end.
+    # With reads infinitely fast it is one tensor (NOTE [Prefetch depth]): here 4 MiB.
     r = P.simulate(w, INF, P.Knobs(prefetch_bytes=8 * MiB), 1)
-    assert r.peak_resident_bytes == 16 * MiB + 2 * MiB + 8 * MiB
+    assert r.peak_resident_bytes == 16 * MiB + 2 * MiB + 4 * MiB
 
 
 def test_peak_formula_by_hand():
@@ -194,16 +196,17 @@ RATES = [30e6, 100e6, 300e6, 1e9, 3e9, None]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_more_read_bandwidth_never_slower(k):
+def test_more_read_bandwidth_never_slower_beyond_the_windows_slack(k):
+    # More read bandwidth shrinks the read-ahead window (NOTE [Prefetch depth]), which trades
+    # a little slack for memory: a step may get slower, but by less than 1% of compute.
     kn = P.Knobs()
     prev = None
     for rate in RATES:
         hw = P.Hardware(300e6, rate, device="cpu", capture_bps=5e9)
-        r = P.simulate(
-            P.workload_from_shape(W1, dataclasses.replace(hw, layer_fwd_seconds=0.15)), hw, kn, k
-        )
+        w = P.workload_from_shape(W1, dataclasses.replace(hw, layer_fwd_seconds=0.15))
+        r = P.simulate(w, hw, kn, k)
         if prev is not None:
-            assert r.step_seconds <= prev + 1e-9
+            assert r.step_seconds <= prev + 0.01 * w.compute_seconds
         prev = r.step_seconds
 
 
@@ -221,25 +224,34 @@ def test_more_bandwidth_never_slower_for_the_best_k():
 
 
 @pytest.mark.parametrize("rate", [100e6, 300e6, 2e9])
-def test_larger_k_never_more_disk_traffic(rate):
+def test_larger_k_never_more_traffic(rate):
+    # Writes never grow with K, nor do the bytes brought back (read, or copied out of staging
+    # when a write still runs). Reads alone can: a larger K changes the window, and with it
+    # which tensors are still in staging when backward wants them.
     hw = P.Hardware(rate, rate, device="cpu", capture_bps=5e9)
     w = w1(hw)
     for steps in (1, 0):
         rs = [P.simulate(w, hw, P.Knobs(), k, steps=steps) for k in range(7)]
         for a, b in zip(rs, rs[1:]):
             assert b.bytes_written <= a.bytes_written
-            assert b.bytes_read <= a.bytes_read
+            back_a = a.bytes_read + a.served_from_staging
+            assert b.bytes_read + b.served_from_staging <= back_a
 
 
 def test_w1_peak_is_the_kept_block_plus_the_window():
     hw = P.Hardware(2e9, 2e9, device="cpu", capture_bps=5e9)
     r = P.simulate(w1(hw), hw, P.Knobs(), 1)
-    # block 5 + head + token ids + the small tensors of blocks 0-4 + the 128 MiB window
+    # block 5 + head + token ids + the small tensors of blocks 0-4 + the read-ahead window:
+    # the largest tensor (32 MiB, the MLP's 4H activation) plus what backward consumes while
+    # it is read, twice over (NOTE [Prefetch depth])
     block, small = 134_414_336, 2 * 8 * 4096 + 4 * 8 * 8 * 512
     head = 2 * 4 * 4096 * 512 + 8 * 4096 + 4 * 4096 * 256 + 8 * 4096
-    assert r.peak_resident_bytes == block + head + 8 * 4096 + 5 * small + 128 * MiB
-    # tba measures 290,689,028: 4 KiB of position ids and the 4-byte loss more
-    assert r.peak_resident_bytes + 4096 + 4 == 290_689_028
+    offloaded = r.bytes_written
+    consume = offloaded / sum(g.bwd for g in w1(hw).groups)
+    window = read_ahead(32 * MiB, consume, 2e9, 128 * MiB)[0]
+    assert 32 * MiB < window < 128 * MiB
+    kept = block + head + 8 * 4096 + 5 * small
+    assert kept + 32 * MiB <= r.peak_resident_bytes <= kept + window
     assert r.stall_seconds == 0
 
 
