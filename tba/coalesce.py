@@ -45,10 +45,12 @@ def batch_bytes(coalesce_bytes: int, staging_bytes: int, align: int) -> int:
 class Slot(StagingBlock):
     """A member's share of a batch's staging block, used wherever a StagingBlock is."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "at")
 
     def __init__(self, batch: Batch, offset: int, length: int):
-        super().__init__(offset, length, batch.block.tensor[offset : offset + length])
+        super().__init__(offset, length, batch.block.base)
+        self.offset = batch.block.offset + offset  # in the arena, as ``base`` is
+        self.at = offset
         self.batch = batch
 
 

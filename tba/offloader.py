@@ -322,19 +322,19 @@ class Offloader:
         e.stat = self.groups.stat
         self.cache.charge(block.length)
         if batch is not None:
-            e.batch, e.slot_at = batch, block.offset
+            e.batch, e.slot_at = batch, block.at
             batch.members.append(e)
         else:
             self._count_disk(st, extent.length)
         if whole:
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            dst = block.tensor[:nbytes]
+            dst = block.part(0, nbytes)
             self.cache.entries[ekey] = e
         else:
             src = t
-            dst = block.tensor[:nbytes].view(t.dtype).as_strided(t.shape, stride)
+            dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
         if block.length > nbytes:
-            block.tensor[nbytes:].zero_()  # zero-padded tail
+            block.part(nbytes, block.length).zero_()  # zero-padded tail
         e.ticket = adapter.capture(dst, src)
         e.check = (t, t._version)
         self._live.add(e)
@@ -501,7 +501,7 @@ class Offloader:
                 self._to_memory(m)
             return
         if n > b.fill:
-            b.block.tensor[b.fill : n].zero_()  # zero-padded tail
+            b.block.part(b.fill, n).zero_()  # zero-padded tail
         b.extent, b.extent_refs = extent, len(live)
         self._count_disk(st, extent.length)
         st.coalesced_writes += 1

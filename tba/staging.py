@@ -17,22 +17,32 @@ from .storage.alloc import ExtentAllocator
 
 
 class StagingBlock:
-    """One carved piece of the arena: ``tensor`` (uint8 view) and ``view`` (memoryview)."""
+    """One carved piece of an arena: bytes ``[offset, offset + length)`` of ``base``.
 
-    __slots__ = ("offset", "length", "tensor", "_view")
+    ``tensor`` (a uint8 view) and ``view`` (a memoryview) are made when asked for, not kept:
+    the hot path slices ``base`` once itself (:meth:`part`), and an entry that lives until its
+    write completes then holds no tensor object of its own for the cyclic GC to walk.
+    """
 
-    def __init__(self, offset: int, length: int, tensor: torch.Tensor):
+    __slots__ = ("offset", "length", "base")
+
+    def __init__(self, offset: int, length: int, base: torch.Tensor):
         self.offset = offset
         self.length = length
-        self.tensor = tensor
-        self._view: memoryview | None = None
+        self.base = base
+
+    def part(self, start: int, stop: int) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of the block as a uint8 view."""
+        return self.base[self.offset + start : self.offset + stop]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.part(0, self.length)
 
     @property
     def view(self) -> memoryview:
         """The block as a backend I/O buffer (a memoryview; the tensor itself on a device)."""
-        if self._view is None:
-            self._view = io_buffer(self.tensor)
-        return self._view
+        return io_buffer(self.tensor)
 
 
 class StagingPool:
@@ -62,10 +72,9 @@ class StagingPool:
                 return None
             length = self._alloc.size_of(off)
             self.peak = max(self.peak, self._alloc.used)
-        return StagingBlock(off, length, self.arena[off : off + length])
+        return StagingBlock(off, length, self.arena)
 
     def free(self, block: StagingBlock) -> None:
         with self._lock:
             self._alloc.free(block.offset)
-        block.tensor = None  # type: ignore[assignment]
-        block._view = None
+        block.base = None  # type: ignore[assignment]
