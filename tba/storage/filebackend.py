@@ -31,7 +31,7 @@ from ..errors import StorageError, hint_for
 from .base import Extent
 from .checksum import Digest, checksum_fn
 from .nodequota import NodeQuota
-from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_rate, describe_caps
+from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_burst, check_rate, describe_caps
 from .slab import Slab, SlabSet, open_unnamed
 from .spilldir import SpillDir
 from .statx import dio_alignment, fs_type, io_alignment
@@ -161,10 +161,7 @@ class SlabBackend:
         if op not in DIRECTIONS:
             raise ValueError(f"tba.storage: set_rate({op!r}): the op is 'write' or 'read'")
         bps = check_rate(bps)
-        if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int)):
-            raise ValueError(f"tba.storage: a burst is a whole number of bytes, not {burst!r}")
-        if burst is not None and burst < 1:
-            raise ValueError(f"tba.storage: a burst must be at least 1 byte, not {burst}")
+        burst = check_burst(burst)
         if self._closed:
             raise ValueError(f"tba.storage: set_rate() on a closed {self.name} backend")
         before = self.probe_summary()

@@ -91,6 +91,15 @@ def check_rate(value: Any, what: str = "rate") -> int | None:
     return value or None
 
 
+def check_burst(burst: Any) -> int | None:
+    """``burst`` as a whole number of bytes (at least 1), or None for the default."""
+    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int)):
+        raise ValueError(f"tba.storage: a burst is a whole number of bytes, not {burst!r}")
+    if burst is not None and burst < 1:
+        raise ValueError(f"tba.storage: a burst must be at least 1 byte, not {burst}")
+    return burst
+
+
 def format_rate(bps: int) -> str:
     """``300 MB/s``, ``1.5 GB/s``, ``64 kB/s``: decimal units, as disks are rated."""
     for unit, scale in (("GB/s", 10**9), ("MB/s", 10**6), ("kB/s", 10**3)):
@@ -169,10 +178,7 @@ class TokenBucket:
         """Cap at ``rate`` bytes per second (None or 0: no cap) with a bucket of ``burst`` bytes
         (None: :func:`default_burst`). Waiting calls are re-timed at once."""
         rate = check_rate(rate)
-        if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int)):
-            raise ValueError(f"tba.storage: a burst is a whole number of bytes, not {burst!r}")
-        if burst is not None and burst < 1:
-            raise ValueError(f"tba.storage: a burst must be at least 1 byte, not {burst}")
+        burst = check_burst(burst)
         with self._cond:
             now = self._clock()
             if self._rate:
