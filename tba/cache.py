@@ -121,6 +121,7 @@ class Entry:
         "from_disk",
         "batch",
         "slot_at",
+        "skew",
         "stat",
     )
 
@@ -152,6 +153,7 @@ class Entry:
         self.from_disk = False  # ``host`` came from a disk read (not staging or a fallback)
         self.batch = None  # the Batch this small tensor was coalesced into (NOTE [Coalescing])
         self.slot_at = 0  # its byte offset inside the batch
+        self.skew = 0  # where its bytes start in a read-back buffer (NOTE [Direct capture])
         self.stat: Any = None  # the GroupStat of the group that packed it (set by offload)
 
     def __repr__(self) -> str:

@@ -301,7 +301,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--capture-gbps",
         type=_plan_positive("10"),
         metavar="GB/S",
-        help="capture copy on the compute thread (a CPU memcpy; unset: overlapped)",
+        help="capture copy on the compute thread (a CPU memcpy, as with TBA_CHECKSUM on; unset: "
+        "overlapped, or none: CPU tensors are written from their own memory)",
     )
     h.add_argument(
         "--h2d-gbps",

@@ -288,7 +288,8 @@ _FIELDS: dict[str, _Field] = {
         "TBA_STAGING_BYTES",
         _size_at_least(1 << 20),
         256 << 20,
-        "Size of the aligned (pinned on CUDA) staging pool. When it is full, new tensors stay "
+        "Size of the aligned (pinned on CUDA) staging pool; on the CPU it also bounds the "
+        "tensors held for a write from their own memory. When it is full, new tensors stay "
         "resident rather than block the forward pass; they are counted in tensors_kept.",
     ),
     "prefetch_bytes": _Field(

@@ -38,13 +38,13 @@ from .cache import (
 )
 from .coalesce import Batch, batch_bytes
 from .config import Config
-from .device import CpuAdapter, DeviceAdapter, adapter_for
+from .device import DONE, CpuAdapter, DeviceAdapter, adapter_for
 from .errors import StorageError, TBAError, UsageError
 from .hook import OffloadHooks
 from .metrics import RankMetrics
 from .policy import Policy
 from .scheduler import GroupTracker, Prefetcher
-from .staging import StagingPool
+from .staging import DirectBlock, StagingPool
 from .stats import StepState
 from .trace import TraceWriter
 
@@ -116,6 +116,8 @@ class Offloader:
         self._capture_pool: Any = None
         self._batches: dict[torch.device, Batch] = {}  # the open batch per device
         self._batch_bytes = batch_bytes(config.coalesce_bytes, config.staging_bytes, self.align)
+        self._direct_ok = config.checksum == "off"  # NOTE [Direct capture] rule 3
+        self._direct_held = 0  # bytes of sources held by DirectBlocks (rule 4)
 
     # -- public surface -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -306,15 +308,23 @@ class Offloader:
             extent = None
             st.coalesced_tensors += 1
         else:
-            block = staging.alloc(nbytes)
+            block = None
+            if isinstance(adapter, CpuAdapter):
+                block = self._direct_block(t, storage, whole, nbytes, stride, staging)
+            if block is None:
+                if self._direct_held + staging.in_use + nbytes > staging.capacity:
+                    return "staging_full"
+                block = staging.alloc(nbytes)
+            elif isinstance(block, str):
+                return block
             if block is None:
                 return "staging_full"
-            extent = self.backend.allocate(nbytes)
+            extent = self.backend.allocate(block.length)
             if extent is None:
-                staging.free(block)
+                self._drop_block(staging, block)
                 return self._disk_full(st)
             if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
-                staging.free(block)
+                self._drop_block(staging, block)
                 self.backend.free(extent)
                 raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
         e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
@@ -327,16 +337,22 @@ class Offloader:
         else:
             self._count_disk(st, extent.length)
         if whole:
-            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            dst = block.part(0, nbytes)
             self.cache.entries[ekey] = e
+        if isinstance(block, DirectBlock):
+            e.skew = block.skew
+            self._direct_held += block.length
+            e.ticket, e.check = DONE, block.check
         else:
-            src = t
-            dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
-        if block.length > nbytes:
-            block.part(nbytes, block.length).zero_()  # zero-padded tail
-        e.ticket = adapter.capture(dst, src)
-        e.check = (t, t._version)
+            if whole:
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                dst = block.part(0, nbytes)
+            else:
+                src = t
+                dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
+            if block.length > nbytes:
+                block.part(nbytes, block.length).zero_()  # zero-padded tail
+            e.ticket = adapter.capture(dst, src)
+            e.check = (t, t._version)
         self._live.add(e)
         st.tensors_offloaded += 1
         st.bytes_offloaded += nbytes
@@ -349,6 +365,32 @@ class Offloader:
             self._pending.add(fut)
             fut.add_done_callback(self._discard_pending)
         return e
+
+    def _direct_block(
+        self, t, storage, whole: bool, nbytes: int, stride, staging: StagingPool
+    ) -> DirectBlock | str | None:
+        """A DirectBlock for ``t``'s own bytes, "staging_full" when they do not fit the staging
+        budget, or None when ``t`` must be copied into staging (NOTE [Direct capture])."""
+        if not self._direct_ok:
+            return None
+        if whole:
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)
+        elif tuple(stride) == t.stride():  # a dense view: its bytes start at its data pointer
+            start = t.storage_offset() * t.element_size()
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)[start : start + nbytes]
+        else:
+            return None
+        if source.data_ptr() % t.element_size():  # pragma: no cover - torch aligns storages
+            return None
+        block = DirectBlock(source, t, self.align)
+        if self._direct_held + staging.in_use + block.length > staging.capacity:
+            return "staging_full"
+        return block
+
+    def _drop_block(self, staging: StagingPool, block: Any) -> None:
+        """Give back a block that no entry took."""
+        if not isinstance(block, DirectBlock):
+            staging.free(block)
 
     def _discard_pending(self, fut: Future) -> None:
         with self._lock:
@@ -402,6 +444,14 @@ class Offloader:
                 return
             if err is not None:
                 self._write_failed(e, err)
+                return
+            blk = e.staging
+            changed = blk.modified() if isinstance(blk, DirectBlock) else None
+            if changed is not None:  # NOTE [Direct capture] rule 2
+                src, version = changed
+                e.error = modified_error(src.shape, src.dtype, src._version, version)
+                e.state = FAILED
+                self._release_io_resources(e)
                 return
             e.digest = fut.result()
             e.state = ON_DISK
@@ -583,6 +633,9 @@ class Offloader:
                 self._read_done(e, fut)
 
     def _copy_out(self, e: Entry) -> torch.Tensor:
+        if isinstance(e.staging, DirectBlock):  # the source itself: no copy
+            self.cache.charge(e.padded)
+            return e.staging.tensor
         adapter, _ = self._device(e.device)
         host = adapter.host_buffer(e.padded, self.align)
         adapter.copy_staged(host, e.staging.tensor)
@@ -712,7 +765,7 @@ class Offloader:
                 if e.state == DEAD:
                     self._release_io_resources(e)
                 return
-            e.host = buf
+            e.host = buf[e.skew :] if e.skew else buf  # NOTE [Direct capture]
             e.from_disk = True
             e.step.bytes_reloaded += e.nbytes
             if e.batch is None:
@@ -742,6 +795,8 @@ class Offloader:
         if e.staging is not None:
             if e.batch is not None:
                 self._unref_staging(e.batch)
+            elif isinstance(e.staging, DirectBlock):
+                self._direct_held -= e.staging.length
             else:
                 _, staging = self._device(e.device)
                 staging.free(e.staging)
@@ -818,7 +873,7 @@ class Offloader:
         ``settle``, the steps that can no longer count are pushed one last time and forgotten:
         after its forward, only a step's live entries change its numbers. Lock held."""
         busy = {e.step for e in self._live} if settle else None
-        staging = sum(pool.in_use for _, pool in self._adapters.values())
+        staging = sum(pool.in_use for _, pool in self._adapters.values()) + self._direct_held
         self.metrics.publish(busy, self.cache.resident, staging, self._disk_in_use, self.keeper.k)
 
     def note_resident(self, value: int) -> None:
@@ -835,7 +890,10 @@ class Offloader:
                 adapter = adapter_for(device, direct=getattr(self.backend, "device_direct", False))
             arena = adapter.staging_arena(self.config.staging_bytes, self.align)
             register = getattr(self.backend, "register", None)
-            if register is not None:
+            # Registering pins (and so faults in) the whole arena. With direct capture the CPU
+            # arena serves only coalesced small tensors, and its untouched pages should cost
+            # nothing (NOTE [Direct capture]).
+            if register is not None and not (isinstance(adapter, CpuAdapter) and self._direct_ok):
                 register(arena)  # long-lived: the engine may pin/map it once (False: it cannot)
             got = self._adapters[device] = (adapter, StagingPool(arena, self.align))
         return got

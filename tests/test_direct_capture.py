@@ -1,0 +1,195 @@
+"""NOTE [Direct capture]: large CPU tensors are written from their own memory, not copied.
+
+Each test drives a real posix (O_DIRECT) backend on the test's spill dir, and blocks or fails
+its ``_pwrite`` where the order of events matters.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import weakref
+
+import pytest
+import torch
+
+from tba.errors import UnpackError
+from tba.staging import DirectBlock
+
+from .test_offloader import gate
+
+MiB = 1 << 20
+
+
+def make(make_offloader, **kw):
+    kw.setdefault("backend", "posix")
+    kw.setdefault("coalesce_bytes", 0)  # every tensor takes the stand-alone path
+    kw.setdefault("min_offload_bytes", "64KiB")
+    return make_offloader(**kw)
+
+
+def pool_of(off):
+    (_, pool), *_ = off._adapters.values()
+    return pool
+
+
+def direct_entries(off):
+    return [e for e in off._live if isinstance(e.staging, DirectBlock)]
+
+
+def gated(make_offloader, **kw):
+    """An offloader whose writes block until the event is set, and two 1 MiB tensors."""
+    off = make(make_offloader, **kw)
+    off.backend._pwrite, ev = gate(os.pwrite)
+    return off, ev, torch.randn(MiB // 4, requires_grad=True), torch.randn(MiB // 4)
+
+
+def test_no_staging_copy_and_sources_released_after_the_write(make_offloader):
+    off, ev, w, x = gated(make_offloader)
+    with off.step():
+        y = x.exp()
+        alive = weakref.ref(y)
+        loss = (y * w).sum()  # saves exp(x), 1 MiB
+        assert len(direct_entries(off)) == 1
+        del y
+        assert alive() is not None  # held for the write
+        ev.set()
+        off.synchronize()  # the write is done: the entry lets its source go
+    assert alive() is None
+    assert off._direct_held == 0
+    assert pool_of(off).peak == 0  # the staging pool was never written to
+    loss.backward()
+    assert torch.equal(w.grad, x.exp())
+    st = off.stats()
+    assert st["bytes_reloaded"] == st["bytes_offloaded"] > 0
+
+
+@pytest.mark.parametrize("start", [1, 7, 1000, 1024])
+def test_unaligned_sources_read_back_exact(make_offloader, start):
+    """A view starting ``start`` floats into its storage: the write covers whole pages around
+    it and the read-back tensor starts ``skew`` bytes into its buffer."""
+    off = make(make_offloader)
+    off.backend._pwrite, ev = gate(os.pwrite)
+    base = torch.randn(MiB // 4 + 2048)
+    x = base[start : start + MiB // 4]  # dense, not the whole storage
+    want = x.clone()
+    w = torch.randn(MiB // 4, requires_grad=True)
+    with off.step():
+        loss = (x * w).sum()  # saves x itself
+        (e,) = direct_entries(off)
+        assert e.skew == x.data_ptr() % off.align
+        assert e.padded % off.align == 0 and e.padded >= e.skew + x.numel() * 4
+        ev.set()
+        off.synchronize()
+    del x
+    base.zero_()  # the storage's own bytes change: the gradient must come from disk
+    loss.backward()
+    assert torch.equal(w.grad, want)
+    assert off.stats()["bytes_reloaded"] > 0
+
+
+def test_whole_storage_views_share_one_direct_write(make_offloader):
+    """q, k and v style: three strided views of one projection, one capture and one write."""
+    off = make(make_offloader)
+    off.backend._pwrite, ev = gate(os.pwrite)
+    qkv = torch.randn(64, 3 * 1024)
+    w = torch.randn(1024, requires_grad=True)
+    q, k, v = qkv.split(1024, dim=1)
+
+    def run(q, k, v):
+        return (q * w).sum() + (k * w).sum() * 2 + (v * w).sum() * 3
+
+    run(q, k, v).backward()
+    want, w.grad = w.grad, None
+    with off.step():
+        loss = run(q, k, v)
+        assert len(direct_entries(off)) == 1
+        ev.set()
+        off.synchronize()
+    del q, k, v
+    qkv.zero_()
+    loss.backward()
+    assert torch.equal(w.grad, want)
+
+
+def test_in_place_update_while_the_write_runs_fails_the_entry(make_offloader):
+    """Rule 2: the source changes before its bytes reach the disk. Without the check at write
+    completion the read-back would hold the new values and the gradient would be silently
+    wrong; stock PyTorch raises here, and so does tba."""
+    off, ev, w, x = gated(make_offloader)
+    with off.step():
+        loss = (x * w).sum()
+    x.add_(1)  # the write has not read the memory yet
+    ev.set()
+    off.synchronize()
+    (e,) = [e for e in off._live if e.error is not None]
+    assert e.staging is None  # failed and released: the source is no longer held
+    del x  # the original is gone, so unpack must rely on the entry's own state
+    with pytest.raises(UnpackError, match="modified by an inplace operation"):
+        loss.backward()
+    assert off._direct_held == 0
+
+
+def test_unpack_while_the_write_runs_returns_the_source(make_offloader):
+    off, ev, w, x = gated(make_offloader)
+    with off.step():
+        loss = (x.exp() * w).sum()  # exp(x) is held only by its entry now
+    loss.backward()  # the write is still blocked
+    assert torch.equal(w.grad, x.exp())
+    st = off.stats()
+    assert st["forwarded"] == 1 and st["bytes_reloaded"] == 0
+    ev.set()
+    off.synchronize()
+    assert off._direct_held == 0 and off.stats()["disk_bytes_in_use"] == 0
+
+
+def test_failed_write_keeps_the_source_in_memory_exact(make_offloader):
+    off = make(make_offloader)
+
+    def fail(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    off.backend._pwrite = fail
+    w = torch.randn(MiB // 4, requires_grad=True)
+    x = torch.randn(MiB // 4)
+    with off.step():
+        loss = (x.exp() * w).sum()
+        off.synchronize()
+    assert off._direct_held == 0 and off.stats()["io_errors"] >= 1
+    loss.backward()
+    assert torch.equal(w.grad, x.exp())
+
+
+def test_held_sources_count_against_the_staging_budget(make_offloader):
+    """Rule 4: with writes blocked, sources past TBA_STAGING_BYTES stay resident as
+    staging_full instead of being held for a write."""
+    w = torch.randn(MiB // 4, requires_grad=True)
+    xs = [torch.randn(MiB // 4) for _ in range(5)]
+    sum((x.exp() * w).sum() for x in xs).backward()
+    want, w.grad = w.grad, None
+    off = make(make_offloader, staging_bytes="3MiB")
+    off.backend._pwrite, ev = gate(os.pwrite)
+    with off.step():
+        loss = sum((x.exp() * w).sum() for x in xs)
+        held = off._direct_held
+    st = off.stats()
+    assert 0 < held <= 3 * MiB
+    assert st["kept_reasons"].get("staging_full", 0) >= 2
+    ev.set()
+    off.synchronize()
+    loss.backward()
+    assert torch.equal(w.grad, want)
+
+
+def test_checksums_take_the_staging_copy(make_offloader):
+    """Rule 3: bytes around the tensor may change between the write and the digest."""
+    off = make(make_offloader, checksum="crc32")
+    w = torch.randn(MiB // 4, requires_grad=True)
+    x = torch.randn(MiB // 4)
+    with off.step():
+        loss = (x.exp() * w).sum()
+        assert direct_entries(off) == []
+        off.synchronize()
+    assert pool_of(off).peak > 0
+    loss.backward()
+    assert torch.equal(w.grad, x.exp())
