@@ -82,6 +82,7 @@ ROWS = (
     ("io_uring", "io_uring"),
     ("native_engine", "native engine"),
     ("memlock", "memlock"),
+    ("host_malloc", "host malloc"),
     ("kvikio", "kvikio/GDS"),
     ("cuda", "CUDA"),
     ("backend", "backend"),
@@ -260,6 +261,7 @@ class _Doctor:
                 "error": None,
             },
             "cleanup": {"clean": None, "leftovers": [], "removed": []},
+            "host_malloc": {"malloc": None, "library": None, "suggested": None},
         }
         self.made_dirs: list[str] = []  # per-process directories this run made
         self.created: list[str] = []  # root components that did not exist, shallowest first
@@ -277,6 +279,7 @@ class _Doctor:
         self.check_native_and_io_uring()
         self.check_kvikio_and_cuda()
         self.check_memlock()
+        self.check_host_malloc()
         root = self.cfg.spill_dir
         self.created = _missing_components(root)
         self.facts["spill_dir"]["created_root"] = bool(self.created)
@@ -495,7 +498,8 @@ class _Doctor:
         facts.update(limit_bytes=limit, unlimited=limit is None, cap_ipc_lock=cap)
         what = (
             "io_uring registered (fixed) buffers are pinned and charged to RLIMIT_MEMLOCK; the "
-            f"native engine registers the staging pool (TBA_STAGING_BYTES={format_size(need)})"
+            f"native engine registers the staging pool (TBA_STAGING_BYTES={format_size(need)}) "
+            "when it is pinned CUDA memory, or with TBA_CHECKSUM on"
         )
         fallback = (
             "I/O still works through unregistered buffers, whose pages the kernel pins on "
@@ -537,6 +541,44 @@ class _Doctor:
                     f"{format_size(need)} staging pool, but that engine is not in use here; "
                     f"before enabling it, {fix}",
                 )
+
+    def check_host_malloc(self) -> None:
+        """Which malloc serves this process's CPU tensors, and whether it gives back what tba
+        frees early (BENCHMARKS.md, "Batch headroom")."""
+        facts = self.facts["host_malloc"]
+        name, lib = malloc_in_use(_read_text("/proc/self/maps"))
+        facts.update(malloc=name, library=lib)
+        if name != "glibc":
+            self.set(
+                "host_malloc",
+                "ok",
+                f"{name} ({lib}): reuses the memory autograd frees once tba has written a tensor",
+            )
+            return
+        if self.facts["cuda"]["available"]:
+            self.set(
+                "host_malloc",
+                "ok",
+                "glibc malloc; activations live in the CUDA caching allocator, which reuses "
+                "what tba frees at once",
+            )
+            return
+        found = find_tcmalloc()
+        facts["suggested"] = found
+        fix = (
+            f"run training with LD_PRELOAD={found}"
+            if found
+            else "install tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4) and run "
+            "training with LD_PRELOAD set to its libtcmalloc_minimal.so.4"
+        )
+        self.set(
+            "host_malloc",
+            "warn",
+            "glibc malloc with CPU tensors: the memory autograd frees once tba has written a "
+            "tensor mostly stays in glibc's heap, so a larger batch gains little (W1 under a "
+            "1280 MiB cap: 1.25x the batch with glibc, 2.8x with tcmalloc, whose steps were "
+            f"not slower; BENCHMARKS.md); {fix}",
+        )
 
     # -- kvikio, CUDA ------------------------------------------------------------------------
     def check_kvikio_and_cuda(self) -> None:
@@ -961,6 +1003,49 @@ SATURATION = 0.9  # "enough" requests in flight reach this share of the best rea
 PREFETCH_SECONDS = 0.1  # read-ahead covers this much time at the measured read rate
 PREFETCH_CAP = GIB
 PREFETCH_STEP = 32 * MIB
+
+
+_MALLOCS = (("tcmalloc", "libtcmalloc"), ("jemalloc", "libjemalloc"), ("mimalloc", "libmimalloc"))
+_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+
+
+def malloc_in_use(maps: str) -> tuple[str, str | None]:
+    """("tcmalloc" | "jemalloc" | "mimalloc", its path) when one is mapped into the process
+    whose /proc/<pid>/maps text is ``maps``, else ("glibc", None)."""
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6:
+            continue  # an anonymous mapping
+        path = parts[5].strip()
+        base = os.path.basename(path)
+        for name, prefix in _MALLOCS:
+            if base.startswith(prefix + ".so") or base.startswith(prefix + "_minimal.so"):
+                return name, path
+    return "glibc", None
+
+
+def find_tcmalloc(dirs: tuple[str, ...] = _LIB_DIRS) -> str | None:
+    """The path of an installed libtcmalloc_minimal.so.4 (or libtcmalloc.so.4), if any."""
+    for d in dirs:
+        for lib in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            path = os.path.join(d, lib)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def quota_for(free: int, min_free: int, ranks: int) -> int:

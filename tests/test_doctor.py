@@ -187,6 +187,7 @@ JSON_KEYS = {
     "backend": dict,
     "throughput": dict,
     "cleanup": dict,
+    "host_malloc": dict,
     "recommendations": list,
 }
 
@@ -220,6 +221,7 @@ def test_json_keys_and_types(capsys, spill):
         "reason",
     }
     assert set(j["cuda"]) == {"torch", "built", "available", "device_count", "devices"}
+    assert set(j["host_malloc"]) == {"malloc", "library", "suggested"}
     be = j["backend"]
     assert be["requested"] == "auto" and be["name"] == be["auto"] and be["error"] is None
     assert isinstance(be["reason"], str) and isinstance(be["alignment"], int)
@@ -826,3 +828,63 @@ def test_import_tba_does_not_import_the_cli():
     p = subprocess.run([sys.executable, "-c", code], **_kw())
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+MAPS = """\
+55d0c8a00000-55d0c8a01000 r--p 00000000 fe:00 12 /usr/bin/python3.11
+7f1a2b000000-7f1a2b200000 rw-p 00000000 00:00 0
+7f1a2c000000-7f1a2c020000 r-xp 00000000 fe:00 34 {lib}
+7f1a2d000000-7f1a2d100000 r-xp 00000000 fe:00 56 /usr/lib/x86_64-linux-gnu/libc.so.6
+"""
+
+
+@pytest.mark.parametrize(
+    "lib, name",
+    [
+        ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10", "tcmalloc"),
+        ("/opt/lib/libtcmalloc.so.4", "tcmalloc"),
+        ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "jemalloc"),
+        ("/usr/local/lib/libmimalloc.so.2.1", "mimalloc"),
+        ("/usr/lib/x86_64-linux-gnu/libm.so.6", "glibc"),
+    ],
+)
+def test_malloc_in_use_reads_the_maps(lib, name):
+    got, path = doctor.malloc_in_use(MAPS.format(lib=lib))
+    assert got == name and path == (None if name == "glibc" else lib)
+
+
+def test_find_tcmalloc(tmp_path):
+    assert doctor.find_tcmalloc((str(tmp_path),)) is None
+    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    assert doctor.find_tcmalloc(("/nonexistent", str(tmp_path))) == str(
+        tmp_path / "libtcmalloc_minimal.so.4"
+    )
+
+
+def test_glibc_on_the_cpu_is_a_warning_that_names_the_fix(capsys, spill, monkeypatch):
+    monkeypatch.setattr(doctor, "find_tcmalloc", lambda: "/x/libtcmalloc_minimal.so.4")
+    rc, j = run_json(capsys, spill)
+    assert rc == 0  # advice, not a failure
+    row = j["checks"]["host_malloc"]
+    if j["host_malloc"]["malloc"] != "glibc":  # pragma: no cover - the suite run under tcmalloc
+        pytest.skip("this test process is not using glibc malloc")
+    assert row["status"] == "warn"
+    assert "LD_PRELOAD=/x/libtcmalloc_minimal.so.4" in row["detail"]
+    assert j["host_malloc"]["suggested"] == "/x/libtcmalloc_minimal.so.4"
+
+
+@pytest.mark.skipif(doctor.find_tcmalloc() is None, reason="tcmalloc is not installed")
+def test_a_preloaded_tcmalloc_is_seen(tmp_path):
+    """A real LD_PRELOAD in a child process (CI installs libtcmalloc-minimal4)."""
+    env = {**_env(), "LD_PRELOAD": doctor.find_tcmalloc()}
+    out = subprocess.run(
+        [sys.executable, "-m", "tba.cli", "doctor", "--json", "--spill-dir", str(tmp_path / "s")]
+        + ["--probe-bytes", PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    j = json.loads(out.stdout)
+    assert j["host_malloc"]["malloc"] == "tcmalloc", out.stderr
+    assert j["checks"]["host_malloc"]["status"] == "ok"
