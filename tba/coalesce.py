@@ -48,8 +48,10 @@ class Slot(StagingBlock):
     __slots__ = ("batch", "at")
 
     def __init__(self, batch: Batch, offset: int, length: int):
-        super().__init__(offset, length, batch.block.base)
-        self.offset = batch.block.offset + offset  # in the arena, as ``base`` is
+        block = batch.block
+        self.offset = block.offset + offset  # in the arena, as ``base`` is
+        self.length = length
+        self.base = block.base
         self.at = offset
         self.batch = batch
 

@@ -44,14 +44,14 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             if h is not None:
                 return off.reuse(h, st)
             snbytes = storage.nbytes()
-            st.see(storage, key[0], snbytes)
+            sref = st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes)
-            reason = off.policy.keep_reason(t, nbytes, off.groups.on_pack(nbytes))
+            reason = off.policy.size_reason(nbytes, off.groups.on_pack(nbytes))
             gs = off.groups.stat
             gs.tensors += 1
             gs.packed_bytes += nbytes
             if reason is None:
-                got = off.offload(t, storage, key, whole, nbytes, stride, offset, st)
+                got = off.offload(t, storage, key, whole, nbytes, stride, offset, st, sref)
                 if not isinstance(got, str):
                     return got
                 reason = got

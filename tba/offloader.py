@@ -280,14 +280,16 @@ class Offloader:
         stride: tuple[int, ...],
         offset: int,
         st: StepState,
+        sref: Any = None,
     ) -> Handle | str:
-        """Capture ``t`` and start its write. Returns the handle, or the reason to keep it."""
+        """Capture ``t`` and start its write. Returns the handle, or the reason to keep it.
+        ``sref``: the storage's weak reference when the caller has one."""
         ekey = (key[0], key[5]) if whole else key
         e = self.cache.entries.get(ekey) if whole else None
         if e is not None and e.state not in (DEAD, FAILED):
             st.dedup_hits += 1
         else:
-            e = self._new_entry(t, storage, ekey, whole, nbytes, stride, st)
+            e = self._new_entry(t, storage, ekey, whole, nbytes, stride, st, sref)
             if isinstance(e, str):
                 return e
         h = Handle(e, t, stride, offset, key)
@@ -296,7 +298,9 @@ class Offloader:
         self.cache.add_handle(h)
         return h
 
-    def _new_entry(self, t, storage, ekey, whole, nbytes, stride, st: StepState) -> Entry | str:
+    def _new_entry(
+        self, t, storage, ekey, whole, nbytes, stride, st: StepState, sref: Any = None
+    ) -> Entry | str:
         if self._disk_full_step == st.index:
             return self._disk_full_reason
         adapter, staging = self._device(t.device)
@@ -327,7 +331,9 @@ class Offloader:
                 self._drop_block(staging, block)
                 self.backend.free(extent)
                 raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
-        e = Entry(self.cache, st, ekey, self.cache.storage_ref(storage), t, nbytes)
+        if sref is None:
+            sref = self.cache.storage_ref(storage)
+        e = Entry(self.cache, st, ekey, sref, t, nbytes)
         e.staging, e.extent, e.padded = block, extent, block.length
         e.stat = self.groups.stat
         self.cache.charge(block.length)

@@ -34,7 +34,7 @@ def unsupported(t: torch.Tensor) -> bool:
     return (
         type(t) not in _PLAIN
         or t.layout is not torch.strided
-        or t.device.type not in ("cpu", "cuda")
+        or not (t.is_cpu or t.is_cuda)
         or t.numel() == 0
         or t.is_quantized
     )
@@ -50,6 +50,10 @@ class Policy:
         """Why ``t`` stays in memory, or None to offload it."""
         if unsupported(t):
             return "unsupported"
+        return self.size_reason(retained_bytes, group_kept)
+
+    def size_reason(self, retained_bytes: int, group_kept: bool) -> str | None:
+        """:meth:`keep_reason` for a tensor already known to be supported (the pack hook)."""
         if retained_bytes < self.min_offload_bytes or retained_bytes == 0:
             return "small"
         if group_kept:

@@ -203,11 +203,14 @@ class StepState:
     def backward_end(self) -> float:
         return max((gs.bwd_last for gs in self.by_group.values()), default=0.0)
 
-    def see(self, storage: Any, cdata: int, nbytes: int) -> None:
-        """Count a storage once per step in ``saved_bytes`` (the baseline's residency)."""
-        if cdata not in self.seen:
-            self.seen[cdata] = StorageWeakRef(storage)
+    def see(self, storage: Any, cdata: int, nbytes: int) -> StorageWeakRef:
+        """Count a storage once per step in ``saved_bytes`` (the baseline's residency). Returns
+        its weak reference, which an entry of this storage shares (NOTE [Storage identity])."""
+        ref = self.seen.get(cdata)
+        if ref is None:
+            ref = self.seen[cdata] = StorageWeakRef(storage)
             self.saved_bytes += nbytes
+        return ref
 
     def keep(self, reason: str) -> None:
         self.tensors_kept += 1
