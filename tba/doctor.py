@@ -576,7 +576,7 @@ class _Doctor:
             "warn",
             "glibc malloc with CPU tensors: the memory autograd frees once tba has written a "
             "tensor mostly stays in glibc's heap, so a larger batch gains little (W1 under a "
-            "1280 MiB cap: 1.25x the batch with glibc, 2.8x with tcmalloc, whose steps were "
+            "1280 MiB cap: 1.25-1.4x the batch with glibc, 2.8x with tcmalloc, whose steps were "
             f"not slower; BENCHMARKS.md); {fix}",
         )
 
