@@ -10,7 +10,7 @@ backward) the entry frees its staging, extent and read-back memory.
 
 # NOTE [Storage identity]
 The dedup key uses the StorageImpl address. While an entry exists it holds a weak reference to
-that storage (``StorageWeakRef``), which keeps the StorageImpl object itself allocated, so a new
+that storage (:class:`StorageRef`), which keeps the StorageImpl object itself allocated, so a new
 storage can never be created at the same address and alias an old entry; the data memory is still
 freed normally.
 
@@ -29,7 +29,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import UnpackError
 
@@ -39,6 +38,29 @@ if TYPE_CHECKING:
 
 CAPTURE, WRITING, ON_DISK, READING, LOADED, MEMORY, FAILED, DEAD = range(8)
 STATE_NAMES = ("capture", "writing", "on_disk", "reading", "loaded", "memory", "failed", "dead")
+
+
+_free_weak_ref = torch.UntypedStorage._free_weak_ref  # kept: ``torch`` may go first at exit
+
+
+class StorageRef:
+    """A weak reference to a storage's StorageImpl (NOTE [Storage identity]).
+
+    What torch's ``StorageWeakRef`` does, as one object for the cyclic GC to track instead of
+    two (that class keeps a bound method per instance): every pack makes one, and young
+    collections run in proportion to what packs leave alive.
+    """
+
+    __slots__ = ("cdata",)
+
+    def __init__(self, storage: Any):
+        self.cdata = storage._weak_ref()
+
+    def expired(self) -> bool:
+        return torch.UntypedStorage._expired(self.cdata)
+
+    def __del__(self) -> None:
+        _free_weak_ref(self.cdata)
 
 
 def is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -52,8 +74,11 @@ def is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def layout(t: torch.Tensor, storage_nbytes: int) -> tuple[bool, int, tuple[int, ...], int]:
+def layout(
+    t: torch.Tensor, storage_nbytes: int, stride: tuple[int, ...] | None = None
+) -> tuple[bool, int, tuple[int, ...], int]:
     """How to capture ``t``: (whole_storage, nbytes, stride_in_buffer, offset_in_buffer).
+    ``stride``: ``t.stride()`` when the caller has it (returned as is when it is kept).
 
     - The whole storage when ``t`` covers all of it, or is a non-dense view spanning at least
       half of it (q/k/v slices): views are rebuilt on the restored storage with their exact
@@ -61,7 +86,9 @@ def layout(t: torch.Tensor, storage_nbytes: int) -> tuple[bool, int, tuple[int, 
     - Otherwise only ``t``'s elements: in memory order with the same strides when ``t`` is
       dense, else contiguously.
     """
-    size, stride, item = tuple(t.shape), t.stride(), t.element_size()
+    size, item = t.shape, t.element_size()
+    if stride is None:
+        stride = t.stride()
     view_bytes = t.numel() * item
     if view_bytes == storage_nbytes:
         return True, storage_nbytes, stride, t.storage_offset()
@@ -169,8 +196,8 @@ class Handle:
     def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any):
         self.entry = entry
         self.dtype = t.dtype
-        self.size = tuple(t.shape)
-        self.stride = tuple(stride)
+        self.size = key[2]  # the key's torch.Size, shared
+        self.stride = stride if type(stride) is tuple else tuple(stride)
         self.offset = offset
         self.version = t._version
         self.ref = weakref.ref(t)
@@ -264,8 +291,8 @@ class Cache:
     def add_handle(self, h: Handle | KeptHandle) -> None:
         self.handles[h.key] = weakref.ref(h)
 
-    def storage_ref(self, storage: Any) -> StorageWeakRef:
-        return StorageWeakRef(storage)
+    def storage_ref(self, storage: Any) -> StorageRef:
+        return StorageRef(storage)
 
     def kept_entry(self, cdata: int, nbytes: int) -> KeptEntry:
         e = self.kept.get(cdata)

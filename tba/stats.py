@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from torch.multiprocessing.reductions import StorageWeakRef
+from .cache import StorageRef
 
 # The keys ARCHITECTURE.md pins, in its order.
 PINNED_KEYS = (
@@ -120,7 +120,7 @@ class StepState:
         self.packs = 0
         self.coalesced_tensors = 0  # offloaded tensors that went into a batch (NOTE [Coalescing])
         self.coalesced_writes = 0  # batch writes issued
-        self.seen: dict[int, StorageWeakRef] = {}  # storages counted in saved_bytes
+        self.seen: dict[int, StorageRef] = {}  # storages counted in saved_bytes
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
@@ -203,12 +203,12 @@ class StepState:
     def backward_end(self) -> float:
         return max((gs.bwd_last for gs in self.by_group.values()), default=0.0)
 
-    def see(self, storage: Any, cdata: int, nbytes: int) -> StorageWeakRef:
+    def see(self, storage: Any, cdata: int, nbytes: int) -> StorageRef:
         """Count a storage once per step in ``saved_bytes`` (the baseline's residency). Returns
         its weak reference, which an entry of this storage shares (NOTE [Storage identity])."""
         ref = self.seen.get(cdata)
         if ref is None:
-            ref = self.seen[cdata] = StorageWeakRef(storage)
+            ref = self.seen[cdata] = StorageRef(storage)
             self.saved_bytes += nbytes
         return ref
 

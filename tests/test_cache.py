@@ -304,3 +304,19 @@ def test_handles_freed_by_cyclic_gc_are_released_at_a_safe_point(make_offloader)
     assert not off.cache.graveyard and off.stats()["live_entries"] == 0
     off.synchronize()
     assert off.backend.usage()["disk_bytes_in_use"] == 0 == off.stats()["disk_bytes_in_use"]
+
+
+def test_storage_ref_keeps_the_storage_impl_not_its_data():
+    """NOTE [Storage identity]: while a StorageRef lives, the StorageImpl's address is not
+    reused; it reports expired once the storage is gone, and frees its weak reference."""
+    from tba.cache import StorageRef
+
+    t = torch.randn(1 << 16)
+    ref = StorageRef(t.untyped_storage())
+    cdata = t.untyped_storage()._cdata
+    assert ref.cdata == cdata and not ref.expired()
+    del t
+    assert ref.expired()
+    fresh = [torch.randn(1 << 16) for _ in range(64)]  # same size: would reuse a freed impl
+    assert all(x.untyped_storage()._cdata != cdata for x in fresh)
+    del ref  # drops the weak reference (no crash, no leak of the impl past this point)
