@@ -6,11 +6,17 @@ A chain of ``torch.sin`` calls saves one tensor each. The hooks are timed from t
 time spent in ``OffloadHooks.pack``/``unpack``), and the whole forward and backward are timed
 against the same chain without tba, interleaved over ``--repeats`` rounds; medians. The capture
 memcpy is part of pack. Issue 4's goal is under 30 us per tensor. Not collected by pytest.
+
+The last column is deterministic where the times are not: the objects the cyclic GC tracks that
+a forward of ``--tensors`` packs leaves alive, per pack (GC off while counting). Young collections
+run once per ~700 of them, and a full collection (all of torch's objects) once the survivors
+reach a quarter of the tracked total, so this count sets how often pack pays for GC.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -66,7 +72,8 @@ def main(argv=None) -> int:
 
     print(machine_line(args.spill_dir))
     print(f"{n} saved tensors of {args.size}, {args.repeats} interleaved rounds, 1 thread")
-    print(f"{'backend':<9}{'pack us':>9}{'unpack us':>11}{'fwd +us':>9}{'bwd +us':>9}")
+    head = f"{'backend':<9}{'pack us':>9}{'unpack us':>11}{'fwd +us':>9}{'bwd +us':>9}"
+    print(head + f"{'GC objs/pack':>14}")
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
     try:
         for name in args.backends.split(","):
@@ -84,11 +91,33 @@ def main(argv=None) -> int:
                     pack, unpack = spent["pack"], spent["unpack"]
                     f0, b0 = chain(None)
                     rows.append((pack / n, unpack / n, (f1 - f0) / n, (b1 - b0) / n))
+                objs = tracked_per_pack(off, x, n)
             med = [statistics.median(r[i] for r in rows) * 1e6 for i in range(4)]
-            print(f"{name:<9}{med[0]:>9.1f}{med[1]:>11.1f}{med[2]:>9.1f}{med[3]:>9.1f}")
+            print(
+                f"{name:<9}{med[0]:>9.1f}{med[1]:>11.1f}{med[2]:>9.1f}{med[3]:>9.1f}{objs:>14.2f}"
+            )
     finally:
         os.rmdir(spill)
     return 0
+
+
+def tracked_per_pack(off, x, n: int) -> float:
+    """GC-tracked objects alive after a forward of ``n`` packs (writes settled), per pack."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        with off.step():
+            h = x
+            for _ in range(n):
+                h = torch.sin(h)
+        off.synchronize()
+        alive = len(gc.get_objects()) - before
+        h.sum().backward()
+        off.synchronize()
+    finally:
+        gc.enable()
+    return alive / n
 
 
 if __name__ == "__main__":
