@@ -656,6 +656,10 @@ class Offloader:
             return h.unpack()
         e = h.entry
         e.stat.unpacked(time.perf_counter())
+        if not e.step.backward_started:
+            with self._lock:
+                self.prefetcher.started(e.step, self._drop_read_back)
+                self.prefetcher.pump()
         t = h.live_original()
         if t is not None:
             with self._lock:
@@ -731,6 +735,15 @@ class Offloader:
             e.dev_buf = None
         self.prefetcher.give_back(e)
         self.prefetcher.pump()
+
+    def _drop_read_back(self, e: Entry) -> None:
+        """Forget a prefetched read that no use consumed (NOTE [Plan order]); the bytes stay on
+        disk and are read again when wanted. Lock held."""
+        if e.state == ON_DISK and e.host is not None:
+            self.cache.uncharge(e.padded)
+            e.host = None
+            e.dev_buf = None
+        self.prefetcher.give_back(e)
 
     def _start_read(self, e: Entry) -> None:
         if e.batch is not None:

@@ -153,6 +153,18 @@ class GroupTracker:
         self.stat = None
 
 
+# NOTE [Plan order]
+# Each forward leaves a plan (its entries, last packed first). Which plan's backward comes next
+# is not known in advance: with plain gradient accumulation it is the only one; with pipeline
+# parallelism (1F1B) several micro-batches' forwards run before the first backward, and that
+# backward belongs to the OLDEST of them. So plans are served:
+# 1. plans whose backward has started (an entry was unpacked), oldest first;
+# 2. then the others, oldest first.
+# The first time a step's backward starts, reads already done for OLDER steps whose backward has
+# not started are dropped again (their bytes stay on disk) and those plans start over, so that a
+# graph kept alive without a backward (a forward whose loss is only logged) cannot hold the
+# budget that the running backward needs. Newer steps keep theirs: under 1F1B they come next.
+# Reads still in flight keep their budget until used or dead.
 class Prefetcher:
     """Issues reads in reverse forward order within a byte budget. Caller holds the lock."""
 
@@ -169,8 +181,22 @@ class Prefetcher:
         self.plans.append(step)
         self.pump()
 
+    def started(self, step: StepState, drop: Callable[[Entry], None]) -> None:
+        """``step``'s backward unpacked its first entry (NOTE [Plan order]); ``drop(e)`` gives
+        back a read-back buffer that no use has consumed yet."""
+        step.backward_started = True
+        for other in self.plans:
+            if other.backward_started or other.index >= step.index:
+                continue  # only older forwards without a backward (a newer one may be next)
+            for e in other.plan[: other.cursor]:
+                if e.budgeted and e.host is not None and not e.io_busy and e.left == e.uses:
+                    drop(e)
+            other.cursor = 0
+
     def pump(self) -> None:
-        for step in reversed(self.plans):  # the latest forward is the first backward
+        ordered = [s for s in self.plans if s.backward_started]
+        ordered += [s for s in self.plans if not s.backward_started]
+        for step in ordered:
             plan = step.plan or []
             while step.cursor < len(plan):
                 e = plan[step.cursor]

@@ -124,6 +124,7 @@ class StepState:
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
+        self.backward_started = False  # an entry of this step was unpacked (NOTE [Plan order])
         self.forward_end = 0.0
         self.observed = False  # fed to the keep controller and the trace
         self.keep_last = 0  # K used for this step
