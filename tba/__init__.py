@@ -8,6 +8,9 @@
     print(off.stats())
 
 or, configured from ``TBA_*`` variables only: ``with tba.offload(model): ...``.
+
+``Offloader`` and ``PINNED_KEYS`` (and torch with them) are imported on first use, so that
+torch-free parts (``tba sidecar``, ``tba.metrics``, ``tba.config``) start without torch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import metrics  # tba.metrics.registry(), METRICS: see README "Metrics"
 from .config import Config
@@ -27,8 +30,10 @@ from .errors import (
     UnpackError,
     UsageError,
 )
-from .offloader import Offloader
-from .stats import PINNED_KEYS
+
+if TYPE_CHECKING:
+    from .offloader import Offloader
+    from .stats import PINNED_KEYS
 
 __version__ = "0.1.0"
 
@@ -51,11 +56,24 @@ _default: Offloader | None = None
 _default_lock = threading.Lock()
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Offloader":
+        from .offloader import Offloader as value
+    elif name == "PINNED_KEYS":
+        from .stats import PINNED_KEYS as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
 def default_offloader() -> Offloader:
     """The process-wide Offloader, built from the environment on first use."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
+            from .offloader import Offloader
+
             _default = Offloader(Config())
             atexit.register(_default.close)
         return _default

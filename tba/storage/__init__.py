@@ -3,21 +3,28 @@
 :func:`open_backend` turns ``Config.backend`` into a working :class:`Backend`. Every backend is
 probed with a real aligned write and read before use ("auto" takes the first that passes), and
 the choice and its reason are logged once per process on the ``tba.storage`` logger.
+
+The backend classes (and torch, which their buffers use) are imported on first use, so that
+torch-free parts such as ``tba.storage.spilldir`` (the sidecar's) do not load torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import ConfigError, StorageError
 from .alloc import ExtentAllocator
 from .base import Backend, Extent
-from .buffered import BufferedBackend
 from .checksum import checksum_fn
-from .filebackend import SlabBackend
-from .memory import MemoryBackend
-from .posix import PosixBackend
+
+if TYPE_CHECKING:
+    from .buffered import BufferedBackend
+    from .filebackend import SlabBackend
+    from .memory import MemoryBackend
+    from .posix import PosixBackend
 
 __all__ = [
     "Backend",
@@ -31,10 +38,23 @@ __all__ = [
 
 log = logging.getLogger("tba.storage")
 
-_FILE_BACKENDS: dict[str, type[SlabBackend]] = {
-    "posix": PosixBackend,
-    "buffered": BufferedBackend,
+_LAZY = {  # name -> module that defines it (PEP 562 __getattr__ below)
+    "BufferedBackend": ".buffered",
+    "MemoryBackend": ".memory",
+    "PosixBackend": ".posix",
+    "SlabBackend": ".filebackend",
 }
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
 # "auto" tries these in order; kvikio only for a CUDA host with GDS, native only with a ring.
 _AUTO_ORDER = ("kvikio", "native", "posix", "buffered")
 
@@ -75,7 +95,13 @@ def _construct(name: str, cfg: Config, auto: bool) -> SlabBackend:
         from .kvikio import KvikioBackend
 
         return KvikioBackend(cfg)
-    return _FILE_BACKENDS[name](cfg)
+    if name == "posix":
+        from .posix import PosixBackend
+
+        return PosixBackend(cfg)
+    from .buffered import BufferedBackend
+
+    return BufferedBackend(cfg)
 
 
 _NO_CUDA = "no CUDA device"
@@ -106,6 +132,8 @@ def open_backend(cfg: Config) -> Backend:
     name = cfg.backend
     checksum_fn(cfg.checksum)  # raises ConfigError naming the missing package
     if name == "memory":
+        from .memory import MemoryBackend
+
         mem = MemoryBackend(cfg)
         mem.reason = f"TBA_BACKEND=memory: {mem.reason.removeprefix('memory: ')}"
         _announce(mem)

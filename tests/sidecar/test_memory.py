@@ -50,3 +50,18 @@ def test_rss_is_flat_over_many_scrapes_and_scans(metrics_dir, spill_root):
         after = _rss(sc.proc.pid)
     print(f"RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB over 400+ scrapes, {runs} scans")
     assert after - before < 2 << 20, f"RSS grew by {(after - before) / 2**20:.2f} MiB"
+
+
+def _torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
+def test_the_sidecar_does_not_load_torch(metrics_dir, spill_root):
+    with SidecarProc("--metrics-dir", metrics_dir, "--spill-dir", spill_root) as sc:
+        sc.metrics()
+        sc.status()
+        assert not _torch_mapped(sc.proc.pid)
+        rss = _rss(sc.proc.pid)
+    print(f"sidecar RSS {rss / 2**20:.1f} MiB")
+    assert rss < 100 << 20  # measured 28.6 MiB; with torch it was ~222 MiB
