@@ -448,16 +448,24 @@ class Offloader:
             if e.state == DEAD:
                 self._release_io_resources(e)
                 return
+            blk = e.staging
+            if isinstance(blk, DirectBlock):  # NOTE [Direct capture] rule 2, failed write or not
+                problem = blk.modified()
+                if problem is not None:
+                    e.error = problem
+                    e.state = FAILED
+                    self._release_io_resources(e)
+                    return
+                if blk.moved():
+                    self._warn_once(
+                        "moved",
+                        "tba: the storage of a saved tensor was resized while tba wrote it; "
+                        "keeping that tensor in memory, as stock PyTorch would read it",
+                    )
+                    self._to_memory(e)
+                    return
             if err is not None:
                 self._write_failed(e, err)
-                return
-            blk = e.staging
-            changed = blk.modified() if isinstance(blk, DirectBlock) else None
-            if changed is not None:  # NOTE [Direct capture] rule 2
-                src, version = changed
-                e.error = modified_error(src.shape, src.dtype, src._version, version)
-                e.state = FAILED
-                self._release_io_resources(e)
                 return
             e.digest = fut.result()
             e.state = ON_DISK

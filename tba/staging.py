@@ -16,6 +16,7 @@ import threading
 import torch
 
 from ._memory import align_up, io_buffer
+from .cache import modified_error
 from .storage.alloc import ExtentAllocator
 
 
@@ -97,7 +98,11 @@ class StagingPool:
 #    not, so its memory cannot be freed and reused while the device reads it.
 # 2. The source's version is checked again when the write completes. An in-place update while
 #    the write ran (which stock PyTorch would also reject at backward) fails the entry with the
-#    same error instead of leaving torn bytes on disk.
+#    same error instead of leaving torn bytes on disk. A moved data pointer is checked too: a
+#    storage resized (``untyped_storage().resize_``, as FSDP does with its flat parameters)
+#    frees the memory being written without a version bump. Stock PyTorch's backward would read
+#    that storage as it is by then, so the entry does the same: it keeps a view of the live
+#    storage (state MEMORY) and drops what it wrote.
 # 3. Checksums need the staging copy: the bytes around the tensor can change between the write
 #    and the digest. With TBA_CHECKSUM on, every capture goes through staging.
 # 4. Bytes held this way count against TBA_STAGING_BYTES together with the pool's, so the
@@ -110,10 +115,10 @@ class DirectBlock:
     with its version at pack time.
     """
 
-    __slots__ = ("length", "skew", "source", "check")
+    __slots__ = ("length", "skew", "source", "check", "ptr")
 
     def __init__(self, source: torch.Tensor, check: torch.Tensor, align: int):
-        addr = source.data_ptr()
+        addr = self.ptr = source.data_ptr()
         self.skew = addr % align
         self.length = align_up(self.skew + source.numel(), align)
         self.source = source
@@ -132,7 +137,13 @@ class DirectBlock:
         raw._tba_source = self.source  # type: ignore[attr-defined]  # rule 1, via the view
         return memoryview(raw).cast("B")
 
-    def modified(self) -> tuple[torch.Tensor, int] | None:
-        """(tensor, version at pack) when the source changed in place since the pack."""
+    def modified(self) -> Exception | None:
+        """The in-place error when the source changed since the pack (rule 2), or None."""
         t, version = self.check
-        return None if t._version == version else (t, version)
+        return (
+            None if t._version == version else modified_error(t.shape, t.dtype, t._version, version)
+        )
+
+    def moved(self) -> bool:
+        """The source's storage was resized or reallocated since the pack (rule 2)."""
+        return self.source.data_ptr() != self.ptr

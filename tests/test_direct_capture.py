@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 
+from tba.cache import MEMORY
 from tba.errors import UnpackError
 from tba.staging import DirectBlock
 
@@ -128,6 +129,28 @@ def test_in_place_update_while_the_write_runs_fails_the_entry(make_offloader):
     with pytest.raises(UnpackError, match="modified by an inplace operation"):
         loss.backward()
     assert off._direct_held == 0
+
+
+def test_storage_resized_while_the_write_runs_reads_it_as_stock_pytorch(make_offloader):
+    """Rule 2, FSDP's pattern: the storage is freed and allocated again, then refilled (no
+    version bump) before the write read it. What was written is not the tensor; stock PyTorch's
+    backward reads the storage as it is by then, and so does tba."""
+    off, ev, w, x = gated(make_offloader)
+    want = x.clone()
+    with off.step():
+        loss = (x * w).sum()
+    nbytes = x.untyped_storage().nbytes()
+    x.untyped_storage().resize_(0)  # frees the memory the blocked write points at
+    x.untyped_storage().resize_(nbytes)
+    x.data.copy_(want)  # refilled without a version bump, at a new address
+    ev.set()
+    off.synchronize()
+    (e,) = list(off._live)
+    assert e.state == MEMORY and e.extent is None  # nothing it wrote is used
+    del x
+    loss.backward()
+    assert torch.equal(w.grad, want)
+    assert off._direct_held == 0 and off.stats()["disk_bytes_in_use"] == 0
 
 
 def test_unpack_while_the_write_runs_returns_the_source(make_offloader):
