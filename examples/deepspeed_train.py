@@ -18,7 +18,7 @@ import os
 import torch
 
 import tba.integrations.deepspeed as tba_ds
-from tba.testing import GPT, GPTConfig
+from tba.testing import GPT, GPTConfig, strided_batches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,15 +35,6 @@ def cpu_setup() -> None:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel at start-up (tens of
     # seconds of C++); only inference_all_reduce uses it, so this CPU example skips the build.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def batches(vocab: int, seq: int, batch: int, steps: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 4, (batch, 1), generator=g)
-        window = (start + stride * torch.arange(seq + 1)) % vocab
-        yield window[:, :-1], window[:, 1:]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -75,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     micro = engine.train_micro_batch_size_per_gpu()
     losses = []
-    for x, y in batches(cfg.vocab, cfg.seq, micro, args.steps, seed=engine.global_rank):
+    for x, y in strided_batches(cfg.vocab, cfg.seq, micro, args.steps, seed=engine.global_rank):
         loss = engine(x, y)
         engine.backward(loss)  # gradient accumulation: DeepSpeed steps every 2nd call
         engine.step()

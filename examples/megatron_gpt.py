@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tba.integrations.megatron import add_args, offloader, wrap_forward_step
+from tba.testing import CudaFactoriesOnCpu, MegatronNoBuffer, strided_batches
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -39,22 +40,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return add_args(p).parse_args(argv)  # what Megatron-LM does with extra_args_provider
 
 
-class _NoBuffer:  # CPU shim 1: megatron-core's global buffer allocates on the GPU
-    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(shape, dtype=dtype)
-
-
-class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
-    """CPU shim 3: the schedule allocates its token counter with device="cuda"."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dev = kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
-
-
 def setup_cpu() -> contextlib.AbstractContextManager:
     from megatron.core import parallel_state, tensor_parallel
 
@@ -62,10 +47,10 @@ def setup_cpu() -> contextlib.AbstractContextManager:
     os.environ.setdefault("MASTER_PORT", "29512")
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    parallel_state._GLOBAL_MEMORY_BUFFER = _NoBuffer()
+    parallel_state._GLOBAL_MEMORY_BUFFER = MegatronNoBuffer()  # CPU shim 1: it allocates on a GPU
     # CPU shim 2: no CUDA RNG states to fork
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    return _CudaFactoriesOnCpu()
+    return CudaFactoriesOnCpu()  # CPU shim 3: the schedule allocates with device="cuda"
 
 
 def build_model(args: argparse.Namespace):
@@ -85,16 +70,6 @@ def build_model(args: argparse.Namespace):
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
     )
-
-
-def batches(args: argparse.Namespace, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        b, s = args.micro_batch_size, args.seq_length
-        start = torch.randint(0, args.vocab_size, (b, 1), generator=g)
-        stride = torch.randint(1, 4, (b, 1), generator=g)
-        window = (start + stride * torch.arange(s + 1)) % args.vocab_size
-        yield window[:, :-1], window[:, 1:]
 
 
 def forward_step(data_iterator, model):
@@ -119,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_model(args)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         step_func = wrap_forward_step(forward_step, args=args)  # <- tba
-        data = batches(args)
+        data = strided_batches(args.vocab_size, args.seq_length, args.micro_batch_size)
         losses = []
         for it in range(args.train_iters):
             out = get_forward_backward_func()(

@@ -18,16 +18,7 @@ import torch
 
 import tba
 import tba.integrations
-from tba.testing import GPT, GPTConfig
-
-
-def batches(vocab: int, seq: int, batch: int, steps: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 4, (batch, 1), generator=g)
-        window = (start + stride * torch.arange(seq + 1)) % vocab
-        yield window[:, :-1], window[:, 1:]
+from tba.testing import GPT, GPTConfig, strided_batches
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     losses = []
-    for x, y in batches(cfg.vocab, cfg.seq, args.batch, args.steps):
+    for x, y in strided_batches(cfg.vocab, cfg.seq, args.batch, args.steps):
         loss = model(x, y)
         loss.backward()
         opt.step()

@@ -97,3 +97,39 @@ def random_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tenso
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(cfg.vocab, (batch, cfg.seq + 1), generator=g)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def strided_batches(vocab: int, seq: int, batch: int, steps: int | None = None, seed: int = 0):
+    """``(inputs, targets)`` batches of arithmetic token sequences (start + stride * i mod vocab):
+    learnable, so an example's loss falls. ``steps`` None: endless."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    while steps is None or n < steps:
+        start = torch.randint(0, vocab, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        window = (start + stride * torch.arange(seq + 1)) % vocab
+        yield window[:, :-1], window[:, 1:]
+        n += 1
+
+
+# megatron-core on the CPU (examples and tests; TP=1, PP=1). ANCHORS.md names the first two.
+class MegatronNoBuffer:
+    """Stands in for megatron-core's global memory buffer, which allocates on the GPU."""
+
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(shape, dtype=dtype)
+
+
+class CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensor factories asked for ``device="cuda"`` get the CPU.
+
+    megatron-core's schedules allocate their token counter with ``device="cuda"``
+    (``forward_backward_no_pipelining``); everything else already follows the model's device.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import socket
 
-import torch
 import torch.distributed as dist
+
+from tba.testing import CudaFactoriesOnCpu, MegatronNoBuffer
 
 
 def free_port() -> int:
@@ -40,26 +41,6 @@ def deepspeed_cpu() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-class _NoBuffer:
-    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(shape, dtype=dtype)
-
-
-class CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
-    """Tensor factories asked for ``device="cuda"`` get the CPU.
-
-    megatron-core's schedules allocate their token counter with ``device="cuda"``
-    (``forward_backward_no_pipelining``); everything else already follows the model's device.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dev = kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def megatron_cpu(tmp_path):
     """megatron-core (TP=1, PP=1) on the CPU: the two shims of ANCHORS.md, and the schedule's
@@ -70,7 +51,7 @@ def megatron_cpu(tmp_path):
     parallel_state.initialize_model_parallel(1, 1)
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    parallel_state._GLOBAL_MEMORY_BUFFER = _NoBuffer()
+    parallel_state._GLOBAL_MEMORY_BUFFER = MegatronNoBuffer()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()
     try:
         with CudaFactoriesOnCpu():
