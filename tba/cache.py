@@ -197,7 +197,7 @@ class Handle:
         self.entry = entry
         self.dtype = t.dtype
         self.size = key[2]  # the key's torch.Size, shared
-        self.stride = stride if type(stride) is tuple else tuple(stride)
+        self.stride = stride  # a tuple from layout()
         self.offset = offset
         self.version = t._version
         self.ref = weakref.ref(t)
@@ -290,9 +290,6 @@ class Cache:
 
     def add_handle(self, h: Handle | KeptHandle) -> None:
         self.handles[h.key] = weakref.ref(h)
-
-    def storage_ref(self, storage: Any) -> StorageRef:
-        return StorageRef(storage)
 
     def kept_entry(self, cdata: int, nbytes: int) -> KeptEntry:
         e = self.kept.get(cdata)

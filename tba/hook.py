@@ -46,7 +46,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             snbytes = storage.nbytes()
             sref = st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes, key[3])
-            reason = off.policy.size_reason(nbytes, off.groups.on_pack(nbytes))
+            reason = off.policy.keep_reason(nbytes, off.groups.on_pack(nbytes))
             gs = off.groups.stat
             gs.tensors += 1
             gs.packed_bytes += nbytes

@@ -132,7 +132,12 @@ _DEFS: dict[str, _Def] = {
     "tba_resident_bytes": _Def(
         "gauge", "Bytes of saved tensors tba holds in memory.", (), "livesum"
     ),
-    "tba_staging_bytes_in_use": _Def("gauge", "Bytes of the staging pools in use.", (), "livesum"),
+    "tba_staging_bytes_in_use": _Def(
+        "gauge",
+        "Bytes of the staging budget in use (pools, and CPU tensors held for direct writes).",
+        (),
+        "livesum",
+    ),
     "tba_disk_bytes_in_use": _Def("gauge", "Bytes in live extents on disk.", (), "livesum"),
     "tba_keep_last": _Def(
         "gauge", "Blocks kept resident at the end of the forward (K).", (), "livemax"

@@ -34,6 +34,7 @@ from .cache import (
     Entry,
     Handle,
     KeptHandle,
+    StorageRef,
     modified_error,
 )
 from .coalesce import Batch, batch_bytes
@@ -117,7 +118,6 @@ class Offloader:
         self._batches: dict[torch.device, Batch] = {}  # the open batch per device
         self._batch_bytes = batch_bytes(config.coalesce_bytes, config.staging_bytes, self.align)
         self._direct_ok = config.checksum == "off"  # NOTE [Direct capture] rule 3
-        self._direct_held = 0  # bytes of sources held by DirectBlocks (rule 4)
 
     # -- public surface -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -280,10 +280,10 @@ class Offloader:
         stride: tuple[int, ...],
         offset: int,
         st: StepState,
-        sref: Any = None,
+        sref: StorageRef,
     ) -> Handle | str:
         """Capture ``t`` and start its write. Returns the handle, or the reason to keep it.
-        ``sref``: the storage's weak reference when the caller has one."""
+        ``sref``: the storage's weak reference (from the step's ``see``)."""
         ekey = (key[0], key[5]) if whole else key
         e = self.cache.entries.get(ekey) if whole else None
         if e is not None and e.state not in (DEAD, FAILED):
@@ -299,7 +299,7 @@ class Offloader:
         return h
 
     def _new_entry(
-        self, t, storage, ekey, whole, nbytes, stride, st: StepState, sref: Any = None
+        self, t, storage, ekey, whole, nbytes, stride, st: StepState, sref: StorageRef
     ) -> Entry | str:
         if self._disk_full_step == st.index:
             return self._disk_full_reason
@@ -316,8 +316,6 @@ class Offloader:
             if isinstance(adapter, CpuAdapter):
                 block = self._direct_block(t, storage, whole, nbytes, stride, staging)
             if block is None:
-                if self._direct_held + staging.in_use + nbytes > staging.capacity:
-                    return "staging_full"
                 block = staging.alloc(nbytes)
             elif isinstance(block, str):
                 return block
@@ -325,14 +323,12 @@ class Offloader:
                 return "staging_full"
             extent = self.backend.allocate(block.length)
             if extent is None:
-                self._drop_block(staging, block)
+                staging.free(block)
                 return self._disk_full(st)
             if extent.length != block.length:  # pragma: no cover - alignment mismatch is a bug
-                self._drop_block(staging, block)
+                staging.free(block)
                 self.backend.free(extent)
                 raise TBAError(f"tba: staging {block.length} B != extent {extent.length} B")
-        if sref is None:
-            sref = self.cache.storage_ref(storage)
         e = Entry(self.cache, st, ekey, sref, t, nbytes)
         e.staging, e.extent, e.padded = block, extent, block.length
         e.stat = self.groups.stat
@@ -346,7 +342,6 @@ class Offloader:
             self.cache.entries[ekey] = e
         if isinstance(block, DirectBlock):
             e.skew = block.skew
-            self._direct_held += block.length
             e.ticket, e.check = DONE, block.check
         else:
             if whole:
@@ -389,14 +384,7 @@ class Offloader:
         if source.data_ptr() % t.element_size():  # pragma: no cover - torch aligns storages
             return None
         block = DirectBlock(source, t, self.align)
-        if self._direct_held + staging.in_use + block.length > staging.capacity:
-            return "staging_full"
-        return block
-
-    def _drop_block(self, staging: StagingPool, block: Any) -> None:
-        """Give back a block that no entry took."""
-        if not isinstance(block, DirectBlock):
-            staging.free(block)
+        return block if staging.hold(block) else "staging_full"
 
     def _discard_pending(self, fut: Future) -> None:
         with self._lock:
@@ -822,8 +810,6 @@ class Offloader:
         if e.staging is not None:
             if e.batch is not None:
                 self._unref_staging(e.batch)
-            elif isinstance(e.staging, DirectBlock):
-                self._direct_held -= e.staging.length
             else:
                 _, staging = self._device(e.device)
                 staging.free(e.staging)
@@ -900,7 +886,7 @@ class Offloader:
         ``settle``, the steps that can no longer count are pushed one last time and forgotten:
         after its forward, only a step's live entries change its numbers. Lock held."""
         busy = {e.step for e in self._live} if settle else None
-        staging = sum(pool.in_use for _, pool in self._adapters.values()) + self._direct_held
+        staging = sum(pool.in_use for _, pool in self._adapters.values())
         self.metrics.publish(busy, self.cache.resident, staging, self._disk_in_use, self.keeper.k)
 
     def note_resident(self, value: int) -> None:

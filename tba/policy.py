@@ -46,14 +46,9 @@ class Policy:
     def __init__(self, min_offload_bytes: int):
         self.min_offload_bytes = min_offload_bytes
 
-    def keep_reason(self, t: torch.Tensor, retained_bytes: int, group_kept: bool) -> str | None:
-        """Why ``t`` stays in memory, or None to offload it."""
-        if unsupported(t):
-            return "unsupported"
-        return self.size_reason(retained_bytes, group_kept)
-
-    def size_reason(self, retained_bytes: int, group_kept: bool) -> str | None:
-        """:meth:`keep_reason` for a tensor already known to be supported (the pack hook)."""
+    def keep_reason(self, retained_bytes: int, group_kept: bool) -> str | None:
+        """Why a supported tensor (see :func:`unsupported`, which the pack hook checks first)
+        stays in memory, or None to offload it."""
         if retained_bytes < self.min_offload_bytes or retained_bytes == 0:
             return "small"
         if group_kept:

@@ -57,8 +57,9 @@ class StagingPool:
         self.align = align
         self._alloc = ExtentAllocator(arena.numel(), align)
         self._lock = threading.Lock()
-        self.peak = 0
+        self.peak = 0  # most bytes of the arena in use
         self.refusals = 0
+        self.held = 0  # bytes of DirectBlocks: sources held for their writes (rule 4)
 
     @property
     def capacity(self) -> int:
@@ -66,11 +67,14 @@ class StagingPool:
 
     @property
     def in_use(self) -> int:
-        return self._alloc.used
+        """Bytes of the budget in use: the arena's and the held sources'."""
+        return self._alloc.used + self.held
 
     def alloc(self, nbytes: int) -> StagingBlock | None:
         with self._lock:
-            off = self._alloc.alloc(nbytes)
+            off = None
+            if self._alloc.used + self.held + nbytes <= self.capacity:
+                off = self._alloc.alloc(nbytes)
             if off is None:
                 self.refusals += 1
                 return None
@@ -78,8 +82,20 @@ class StagingPool:
             self.peak = max(self.peak, self._alloc.used)
         return StagingBlock(off, length, self.arena)
 
-    def free(self, block: StagingBlock) -> None:
+    def hold(self, block: DirectBlock) -> bool:
+        """Count a direct capture against the budget; False (a refusal) when it does not fit."""
         with self._lock:
+            if self._alloc.used + self.held + block.length > self.capacity:
+                self.refusals += 1
+                return False
+            self.held += block.length
+        return True
+
+    def free(self, block: StagingBlock | DirectBlock) -> None:
+        with self._lock:
+            if isinstance(block, DirectBlock):
+                self.held -= block.length
+                return
             self._alloc.free(block.offset)
         block.base = None  # type: ignore[assignment]
 

@@ -57,7 +57,7 @@ def test_no_staging_copy_and_sources_released_after_the_write(make_offloader):
         ev.set()
         off.synchronize()  # the write is done: the entry lets its source go
     assert alive() is None
-    assert off._direct_held == 0
+    assert pool_of(off).held == 0
     assert pool_of(off).peak == 0  # the staging pool was never written to
     loss.backward()
     assert torch.equal(w.grad, x.exp())
@@ -128,7 +128,7 @@ def test_in_place_update_while_the_write_runs_fails_the_entry(make_offloader):
     del x  # the original is gone, so unpack must rely on the entry's own state
     with pytest.raises(UnpackError, match="modified by an inplace operation"):
         loss.backward()
-    assert off._direct_held == 0
+    assert pool_of(off).held == 0
 
 
 def test_storage_resized_while_the_write_runs_reads_it_as_stock_pytorch(make_offloader):
@@ -150,7 +150,7 @@ def test_storage_resized_while_the_write_runs_reads_it_as_stock_pytorch(make_off
     del x
     loss.backward()
     assert torch.equal(w.grad, want)
-    assert off._direct_held == 0 and off.stats()["disk_bytes_in_use"] == 0
+    assert pool_of(off).held == 0 and off.stats()["disk_bytes_in_use"] == 0
 
 
 def test_unpack_while_the_write_runs_returns_the_source(make_offloader):
@@ -163,7 +163,7 @@ def test_unpack_while_the_write_runs_returns_the_source(make_offloader):
     assert st["forwarded"] == 1 and st["bytes_reloaded"] == 0
     ev.set()
     off.synchronize()
-    assert off._direct_held == 0 and off.stats()["disk_bytes_in_use"] == 0
+    assert pool_of(off).held == 0 and off.stats()["disk_bytes_in_use"] == 0
 
 
 def test_failed_write_keeps_the_source_in_memory_exact(make_offloader):
@@ -178,7 +178,7 @@ def test_failed_write_keeps_the_source_in_memory_exact(make_offloader):
     with off.step():
         loss = (x.exp() * w).sum()
         off.synchronize()
-    assert off._direct_held == 0 and off.stats()["io_errors"] >= 1
+    assert pool_of(off).held == 0 and off.stats()["io_errors"] >= 1
     loss.backward()
     assert torch.equal(w.grad, x.exp())
 
@@ -194,7 +194,7 @@ def test_held_sources_count_against_the_staging_budget(make_offloader):
     off.backend._pwrite, ev = gate(os.pwrite)
     with off.step():
         loss = sum((x.exp() * w).sum() for x in xs)
-        held = off._direct_held
+        held = pool_of(off).held
     st = off.stats()
     assert 0 < held <= 3 * MiB
     assert st["kept_reasons"].get("staging_full", 0) >= 2

@@ -191,3 +191,16 @@ def test_torch_compile_region_exact(make_offloader):
     assert torch.equal(run(off), want)
     st = off.stats()
     assert st["tensors_offloaded"] >= 2 and st["bytes_reloaded"] > 0
+
+
+def test_unsupported_tensors_stay_as_they_are(make_offloader):
+    """The hook's first check: an empty tensor (nothing to write) is kept as "unsupported"
+    before the size policy is asked."""
+    off = make_offloader()
+    w = torch.randn(0, requires_grad=True)
+    x = torch.randn(0)
+    with off.step():
+        loss = (x * w).sum() + 0
+    loss.backward()
+    st = off.stats()
+    assert st["kept_reasons"].get("unsupported", 0) >= 1 and st["tensors_offloaded"] == 0
