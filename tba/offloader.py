@@ -725,16 +725,12 @@ class Offloader:
         if e.left > 0:
             return
         e.left = e.uses
-        if e.state == ON_DISK and e.host is not None:
-            self.cache.uncharge(e.padded)
-            e.host = None
-            e.dev_buf = None
-        self.prefetcher.give_back(e)
+        self._drop_read_back(e)
         self.prefetcher.pump()
 
     def _drop_read_back(self, e: Entry) -> None:
-        """Forget a prefetched read that no use consumed (NOTE [Plan order]); the bytes stay on
-        disk and are read again when wanted. Lock held."""
+        """Let go of ``e``'s read-back bytes and its prefetch budget; the bytes stay on disk and
+        are read again when wanted (after its last use, or NOTE [Plan order]). Lock held."""
         if e.state == ON_DISK and e.host is not None:
             self.cache.uncharge(e.padded)
             e.host = None
