@@ -46,7 +46,7 @@ from _machine import machine_line  # noqa: E402
 import tba  # noqa: E402
 from tba import hook, metrics, offloader  # noqa: E402
 from tba.config import parse_size  # noqa: E402
-from tba.stats import StepState  # noqa: E402
+from tba.step import StepState  # noqa: E402
 
 _CALLS = ("track", "io_error", "publish", "close")
 

@@ -33,7 +33,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .offloader import Offloader
-    from .stats import PINNED_KEYS
+    from .step import PINNED_KEYS
 
 __version__ = "0.1.0"
 
@@ -60,7 +60,7 @@ def __getattr__(name: str) -> Any:
     if name == "Offloader":
         from .offloader import Offloader as value
     elif name == "PINNED_KEYS":
-        from .stats import PINNED_KEYS as value
+        from .step import PINNED_KEYS as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -239,7 +239,7 @@ class _Sampler(threading.Thread):
 
 def _tba_resident(off: Any) -> Callable[[], int]:
     """``off.stats()["resident_bytes"]``. stats() first accounts the handles autograd dropped
-    since tba's last pack or unpack; the bare ``off.cache.resident`` counter lags until then
+    since tba's last pack or unpack; the bare ``off.index.resident`` counter lags until then
     (a backward that unpacks only kept tensors would show a flat line)."""
     return lambda: off.stats()["resident_bytes"]
 

@@ -82,3 +82,25 @@ def hint_for(err: int) -> str:
     if err in (_errno.EACCES, _errno.EPERM):
         return "Check the permissions of TBA_SPILL_DIR."
     return ""
+
+
+class InternalError(TBAError, RuntimeError):
+    """An invariant of tba itself does not hold: a bug in tba, not in the caller's code."""
+
+
+def internal_error(component: str, what: str) -> InternalError:
+    """The error for a broken invariant, worded so the user knows to report it."""
+    return InternalError(
+        f"tba.{component}: {what}. This is a bug in tba, not in your code: please report it "
+        "with this traceback and the output of `tba doctor`."
+    )
+
+
+def modified_error(shape: object, dtype: object, now: int, then: int) -> UnpackError:
+    """Stock PyTorch's in-place error, for a saved tensor modified after it was packed."""
+    return UnpackError(
+        f"tba.unpack: one of the variables needed for gradient computation has been modified "
+        f"by an inplace operation: a saved tensor of shape {list(shape)} and dtype {dtype} is "
+        f"at version {now}; expected version {then} instead. Stock PyTorch raises here too: "
+        "clone the tensor before modifying it, or use the out-of-place operation."
+    )

@@ -9,7 +9,7 @@ NOTE [Metrics]
 1. Names and labels are pinned (dashboards and the sidecar use them; see :data:`METRICS`).
    Every series carries ``rank`` (Config.rank).
 2. Nothing runs per tensor. The counters are the sums of the per-step counters of
-   tba/stats.py, published as deltas when a step starts, when its forward ends, on ``stats()``
+   tba/step.py, published as deltas when a step starts, when its forward ends, on ``stats()``
    and on ``close()``. A step keeps counting during its backward (reloads, stalls), even after
    later steps started (gradient accumulation), but only through its live entries: the
    Offloader tracks each step until none of its entries is alive, so the totals equal the sums
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from .config import Config
-    from .stats import StepState
+    from .step import StepState
 
 __all__ = [
     "IO_SECONDS_BUCKETS",

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from .cache import CAPTURE, DEAD, FAILED, MEMORY, WRITING, Entry
-from .stats import StepState
+from .entry import CAPTURE, DEAD, FAILED, MEMORY, WRITING, Entry
+from .step import StepState
 
 
 def detect_blocks(model: nn.Module) -> list[nn.Module]:

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from ._memory import align_up, io_buffer
-from .cache import modified_error
+from .errors import modified_error
 from .storage.alloc import ExtentAllocator
 
 
@@ -28,12 +28,17 @@ class StagingBlock:
     write completes then holds no tensor object of its own for the cyclic GC to walk.
     """
 
-    __slots__ = ("offset", "length", "base")
+    __slots__ = ("offset", "length", "base", "pool")
 
-    def __init__(self, offset: int, length: int, base: torch.Tensor):
+    def __init__(self, offset: int, length: int, base: torch.Tensor, pool: StagingPool):
         self.offset = offset
         self.length = length
         self.base = base
+        self.pool = pool
+
+    def release(self) -> None:
+        """Give the block back to its pool (once)."""
+        self.pool.free(self)
 
     def part(self, start: int, stop: int) -> torch.Tensor:
         """Bytes ``[start, stop)`` of the block as a uint8 view."""
@@ -80,7 +85,7 @@ class StagingPool:
                 return None
             length = self._alloc.size_of(off)
             self.peak = max(self.peak, self._alloc.used)
-        return StagingBlock(off, length, self.arena)
+        return StagingBlock(off, length, self.arena, self)
 
     def hold(self, block: DirectBlock) -> bool:
         """Count a direct capture against the budget; False (a refusal) when it does not fit."""
@@ -89,6 +94,7 @@ class StagingPool:
                 self.refusals += 1
                 return False
             self.held += block.length
+        block.pool = self
         return True
 
     def free(self, block: StagingBlock | DirectBlock) -> None:
@@ -131,7 +137,7 @@ class DirectBlock:
     with its version at pack time.
     """
 
-    __slots__ = ("length", "skew", "source", "check", "ptr")
+    __slots__ = ("length", "skew", "source", "check", "ptr", "pool")
 
     def __init__(self, source: torch.Tensor, check: torch.Tensor, align: int):
         addr = self.ptr = source.data_ptr()
@@ -139,6 +145,11 @@ class DirectBlock:
         self.length = align_up(self.skew + source.numel(), align)
         self.source = source
         self.check = (check, check._version)
+        self.pool: StagingPool | None = None  # set by StagingPool.hold
+
+    def release(self) -> None:
+        """Give the held bytes back to the staging budget (once the write has completed)."""
+        self.pool.free(self)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import tba
-from tba.cache import contiguous_stride, is_dense, layout
+from tba.entry import contiguous_stride, is_dense, layout
 
 
 class SaveForBackward(torch.autograd.Function):
@@ -176,13 +176,13 @@ def test_activations_written_but_weights_not(make_offloader):
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     written: list[int] = []
-    real_offload = off.offload
+    real_offload = off.packer.offload
 
     def spy(t, storage, *args):
         written.append(storage._cdata)
         return real_offload(t, storage, *args)
 
-    off.offload = spy
+    off.packer.offload = spy
     with off.step(model):
         loss = model(torch.randn(16, 32)).square().sum()
         off.synchronize()
@@ -238,8 +238,8 @@ def test_dropped_graph_leaves_nothing(make_offloader):
     off.synchronize()
     assert off.backend.usage()["disk_bytes_in_use"] == 0
     assert off.stats()["disk_bytes_in_use"] == 0
-    assert off.cache.resident == 0 and off.stats()["live_entries"] == 0
-    for _, pool in off._adapters.values():
+    assert off.index.resident == 0 and off.stats()["live_entries"] == 0
+    for _, pool in off.io.adapters.values():
         assert pool.in_use == 0
 
 
@@ -298,10 +298,10 @@ def test_handles_freed_by_cyclic_gc_are_released_at_a_safe_point(make_offloader)
     assert off.backend.usage()["disk_bytes_in_use"] > 0
     del holder
     gc.collect()  # may run anywhere in real code, e.g. under the slab lock
-    assert len(off.cache.graveyard) == 1  # queued, nothing freed inside __del__
+    assert len(off.index.graveyard) == 1  # queued, nothing freed inside __del__
     assert off.backend.usage()["disk_bytes_in_use"] > 0
     off.stats()  # a safe point: the entry is retired (its prefetch read may still be running)
-    assert not off.cache.graveyard and off.stats()["live_entries"] == 0
+    assert not off.index.graveyard and off.stats()["live_entries"] == 0
     off.synchronize()
     assert off.backend.usage()["disk_bytes_in_use"] == 0 == off.stats()["disk_bytes_in_use"]
 
@@ -309,7 +309,7 @@ def test_handles_freed_by_cyclic_gc_are_released_at_a_safe_point(make_offloader)
 def test_storage_ref_keeps_the_storage_impl_not_its_data():
     """NOTE [Storage identity]: while a StorageRef lives, the StorageImpl's address is not
     reused; it reports expired once the storage is gone, and frees its weak reference."""
-    from tba.cache import StorageRef
+    from tba.step import StorageRef
 
     t = torch.randn(1 << 16)
     ref = StorageRef(t.untyped_storage())

@@ -223,9 +223,9 @@ def test_dropped_graphs_free_batches(spill_dir):
         del loss  # graph dropped without backward: members die before or during the write
         off.synchronize()
         assert off.backend.usage()["disk_bytes_in_use"] == 0
-        ((_, pool),) = off._adapters.values()
+        ((_, pool),) = off.io.adapters.values()
         assert pool.in_use == 0
-        assert off.cache.resident == 0
+        assert off.index.resident == 0
         # The same offloader keeps working.
         run(model, off)
         off.synchronize()

@@ -180,8 +180,8 @@ def test_side_stream_waits_for_consumer_before_h2d(adapter, fake):
 def offloader_with_fake_cuda(make_offloader, fake, **kw):
     off = make_offloader(**kw)
     adapter = CudaAdapter(torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False)
-    arena = adapter.staging_arena(off.config.staging_bytes, off.align)
-    off._adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.align))
+    arena = adapter.staging_arena(off.config.staging_bytes, off.io.align)
+    off.io.adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.io.align))
     return off
 
 
@@ -400,8 +400,8 @@ def test_offloader_in_direct_mode_copies_staged_bytes_on_the_side_stream(
 
     off = make_offloader(backend="posix")
     adapter = direct
-    arena = adapter.staging_arena(off.config.staging_bytes, off.align)
-    off._adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.align))
+    arena = adapter.staging_arena(off.config.staging_bytes, off.io.align)
+    off.io.adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.io.align))
     release = threading.Event()
 
     def slow_write(*args):

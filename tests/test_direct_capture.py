@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tba.cache import MEMORY
+from tba.entry import MEMORY
 from tba.errors import UnpackError
 from tba.staging import DirectBlock
 
@@ -30,12 +30,12 @@ def make(make_offloader, **kw):
 
 
 def pool_of(off):
-    (_, pool), *_ = off._adapters.values()
+    (_, pool), *_ = off.io.adapters.values()
     return pool
 
 
 def direct_entries(off):
-    return [e for e in off._live if isinstance(e.staging, DirectBlock)]
+    return [e for e in off.io.live if isinstance(e.staging, DirectBlock)]
 
 
 def gated(make_offloader, **kw):
@@ -78,8 +78,8 @@ def test_unaligned_sources_read_back_exact(make_offloader, start):
     with off.step():
         loss = (x * w).sum()  # saves x itself
         (e,) = direct_entries(off)
-        assert e.skew == x.data_ptr() % off.align
-        assert e.padded % off.align == 0 and e.padded >= e.skew + x.numel() * 4
+        assert e.skew == x.data_ptr() % off.io.align
+        assert e.padded % off.io.align == 0 and e.padded >= e.skew + x.numel() * 4
         ev.set()
         off.synchronize()
     del x
@@ -123,7 +123,7 @@ def test_in_place_update_while_the_write_runs_fails_the_entry(make_offloader):
     x.add_(1)  # the write has not read the memory yet
     ev.set()
     off.synchronize()
-    (e,) = [e for e in off._live if e.error is not None]
+    (e,) = [e for e in off.io.live if e.error is not None]
     assert e.staging is None  # failed and released: the source is no longer held
     del x  # the original is gone, so unpack must rely on the entry's own state
     with pytest.raises(UnpackError, match="modified by an inplace operation"):
@@ -145,7 +145,7 @@ def test_storage_resized_while_the_write_runs_reads_it_as_stock_pytorch(make_off
     x.data.copy_(want)  # refilled without a version bump, at a new address
     ev.set()
     off.synchronize()
-    (e,) = list(off._live)
+    (e,) = list(off.io.live)
     assert e.state == MEMORY and e.extent is None  # nothing it wrote is used
     del x
     loss.backward()

@@ -101,6 +101,6 @@ def test_offloader_reuses_read_buffers_and_stays_exact(make_offloader):
         got = grads(off)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert off.stats()["bytes_reloaded"] > 0
-    adapter = off._adapters[torch.device("cpu")][0]
+    adapter = off.io.adapters[torch.device("cpu")][0]
     assert adapter.pool.reused > 0
     assert adapter.pool.pooled_bytes <= adapter.pool.limit == 8 * MIB

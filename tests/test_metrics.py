@@ -243,7 +243,7 @@ def test_two_offloaders_of_one_process_share_the_series(tmp_path, model, mdir):
         both = a.stats()["bytes_offloaded"] + b.stats()["bytes_offloaded"]
         assert value(scrape(mdir), "tba_bytes_offloaded_total", rank="2") == both
         resident = value(samples, "tba_resident_bytes", rank="2")
-        assert resident == a.cache.resident + b.cache.resident > 0
+        assert resident == a.index.resident + b.index.resident > 0
         info = [v for lab, v in samples["tba_backend_info"] if lab["rank"] == "2"]
         assert info == [1.0]  # same backend and reason: one series, still 1
         (la + lb).backward()
@@ -251,7 +251,7 @@ def test_two_offloaders_of_one_process_share_the_series(tmp_path, model, mdir):
         a.close()
     b.stats()  # gauges are sampled at step boundaries and on stats()
     samples = scrape(mdir)
-    assert value(samples, "tba_resident_bytes", rank="2") == b.cache.resident
+    assert value(samples, "tba_resident_bytes", rank="2") == b.index.resident
     b.close()
     samples = scrape(mdir)
     assert value(samples, "tba_backend_info", rank="2") == 0

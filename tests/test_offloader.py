@@ -200,7 +200,7 @@ def test_staging_bound_holds_and_keeps_the_rest(make_offloader, model):
     model.zero_grad(set_to_none=True)
     with off.step(model):
         loss = model(x, y)
-        ((_, pool),) = off._adapters.values()
+        ((_, pool),) = off.io.adapters.values()
         assert pool.in_use <= pool.capacity == 1 << 20
         ev.set()
     loss.backward()
@@ -214,7 +214,7 @@ def test_prefetch_budget_is_respected(make_offloader, model):
     budget = 1 << 20
     off = make_offloader(prefetch_bytes=budget, keep_last=1)
     before = []
-    real_start = off._start_read
+    real_start = off.reader.start_read
 
     def spy(e):
         before.append((off.prefetcher.inflight - e.budgeted, e.padded))

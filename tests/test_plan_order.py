@@ -67,13 +67,13 @@ def test_a_newer_forward_keeps_its_reads_when_an_older_backward_starts(make_offl
     off = make(make_offloader, 8 * MiB)  # room for both micro-batches
     model = mlp()
     reads = []
-    real = off._start_read
+    real = off.reader.start_read
 
     def spy(e):
         reads.append(e)
         real(e)
 
-    off.prefetcher.start = off._start_read = spy  # prefetches and sync loads
+    off.prefetcher.start = off.reader.start_read = spy  # prefetches and sync loads
     losses, steps = forwards(off, model, xs)
     off.synchronize()  # both plans read as far as the budget goes
     issued = len(reads)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tba.cache import CAPTURE, ON_DISK, WRITING
+from tba.entry import CAPTURE, ON_DISK, WRITING
 from tba.scheduler import GroupTracker, Prefetcher, detect_blocks
-from tba.stats import StepState
+from tba.step import StepState
 from tba.testing import GPT, GPTConfig
 
 

@@ -15,6 +15,14 @@ Contract (the cache relies on each line):
   StorageError(EBADMSG) on mismatch.
 - ``free(extent)`` returns the space at once; it is only called once no I/O on it is in flight.
 - ``close()`` waits for in-flight I/O, closes every file and removes the process directory.
+- ``refusal`` names why the last ``allocate`` returned None: "node_quota" (the node-wide
+  ``TBA_NODE_MAX_DISK_BYTES``) or "disk_full" (this process's quota, free space, an error).
+- ``register(buf)`` offers a long-lived buffer (a staging arena) for the engine to pin or map
+  once; False when it cannot (every transfer still works without it).
+- ``device_direct`` is True when ``write``/``read`` take device tensors themselves (GPUDirect
+  Storage); then the offloader keeps staging on the device.
+- ``spill_path`` is the per-process directory of the slab files, or None when nothing goes to
+  a disk (the memory backend).
 - ``set_rate(op, bps)`` caps "write" or "read" at ``bps`` bytes per second (None: no cap) from
   now on, as ``TBA_MAX_WRITE_BPS`` / ``TBA_MAX_READ_BPS`` do at construction. Capped ops wait for
   tokens on the I/O side; ``write``/``read`` still return at once. ``usage()`` has
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,15 @@ class Backend(Protocol):
     name: str
     reason: str
     alignment: int
+    device_direct: bool
+
+    @property
+    def refusal(self) -> str: ...
+
+    @property
+    def spill_path(self) -> str | None: ...
+
+    def register(self, buf: Any) -> bool: ...
 
     def allocate(self, nbytes: int) -> Extent | None: ...
 

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,7 @@ class SlabBackend:
     name = "slab"
     direct = True
     mode = "O_DIRECT"
+    device_direct = False  # host buffers only (kvikio with GDS takes device tensors)
 
     def __init__(self, cfg: Config):
         self.reason = ""
@@ -125,6 +127,10 @@ class SlabBackend:
         """Why the last ``allocate`` that returned None refused: "node_quota" (the node-wide
         TBA_NODE_MAX_DISK_BYTES) or "disk_full" (this process's quota, free space, an error)."""
         return self._slabs.last_refusal or "disk_full"
+
+    def register(self, buf: Any) -> bool:
+        """Thread-pool I/O has nothing to pin a buffer for (the native engine does)."""
+        return False
 
     @property
     def spill_path(self) -> str:

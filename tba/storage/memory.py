@@ -42,6 +42,13 @@ class MemoryBackend:
 
     name = "memory"
     alignment = PAGE
+    device_direct = False
+    refusal = "disk_full"  # never refuses: ``allocate`` always succeeds
+    spill_path = None  # nothing goes to a disk
+
+    def register(self, buf: Any) -> bool:
+        """Nothing to pin: copies are plain memcpy."""
+        return False
 
     def __init__(self, cfg: Config):
         checksum_fn(cfg.checksum)

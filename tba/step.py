@@ -10,9 +10,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from .cache import StorageRef
+import torch
 
-# The keys ARCHITECTURE.md pins, in its order.
+# The keys of ``stats()`` that code outside this repository relies on (README, "stats()"), in
+# the order the README lists them. More keys may be added; these never change.
 PINNED_KEYS = (
     "saved_bytes",
     "bytes_offloaded",
@@ -26,6 +27,29 @@ PINNED_KEYS = (
     "peak_resident_bytes",
     "disk_bytes_in_use",
 )
+
+
+_free_weak_ref = torch.UntypedStorage._free_weak_ref  # kept: ``torch`` may go first at exit
+
+
+class StorageRef:
+    """A weak reference to a storage's StorageImpl (NOTE [Storage identity] in tba/index.py).
+
+    What torch's ``StorageWeakRef`` does, as one object for the cyclic GC to track instead of
+    two (that class keeps a bound method per instance): every pack makes one, and young
+    collections run in proportion to what packs leave alive.
+    """
+
+    __slots__ = ("cdata",)
+
+    def __init__(self, storage: Any):
+        self.cdata = storage._weak_ref()
+
+    def expired(self) -> bool:
+        return torch.UntypedStorage._expired(self.cdata)
+
+    def __del__(self) -> None:
+        _free_weak_ref(self.cdata)
 
 
 class GroupStat:

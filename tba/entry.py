@@ -1,0 +1,371 @@
+"""What the pack hook hands autograd (handles) and what holds the bytes (entries).
+
+No I/O, no locks, no policy: records whose state changes are their own methods, so a
+newcomer reads an entry's life here and nowhere else.
+
+# NOTE [Entries and handles]
+A *handle* is what the pack hook returns to autograd: one per distinct saved view, identified by
+(storage, storage offset, size, stride, dtype, version). An *entry* is what holds the bytes: one
+per captured buffer. Several handles can share an entry (q, k and v split from one projection
+share that projection's storage), so the bytes are written once. Autograd owns the handles; when
+the last handle of an entry dies (after its last use, or when a graph is dropped without
+backward) the entry frees its staging, extent and read-back memory (see NOTE [Deferred release]
+in tba/index.py for when).
+
+# NOTE [Entry states]
+    CAPTURE --capture done, version unchanged--> WRITING --write ok--> ON_DISK
+    CAPTURE --source modified before its capture completed--> FAILED
+    WRITING --write failed, or the source moved (NOTE [Direct capture])--> MEMORY
+    WRITING --source modified while it was written (NOTE [Direct capture])--> FAILED
+    ON_DISK --read failed--> FAILED (every unpack raises the StorageError)
+    any     --last handle died--> DEAD (resources freed once no I/O is in flight)
+While ON_DISK, ``host`` holds the read-back bytes between a read and the last use of a backward
+(then they are dropped, and read again if a retained graph needs them again). MEMORY entries
+keep their bytes in ``host`` for good and never touch the disk again.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from .errors import modified_error
+
+
+class State(enum.Enum):
+    CAPTURE = "capture"
+    WRITING = "writing"
+    ON_DISK = "on_disk"
+    MEMORY = "memory"
+    FAILED = "failed"
+    DEAD = "dead"
+
+
+CAPTURE, WRITING, ON_DISK, MEMORY, FAILED, DEAD = State
+
+# -- where a saved view's bytes are ------------------------------------------------------------
+
+
+def is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when the strided view covers exactly ``numel`` consecutive elements (any order)."""
+    dims = sorted((st, sz) for sz, st in zip(size, stride) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def layout(
+    t: torch.Tensor, storage_nbytes: int, stride: tuple[int, ...] | None = None
+) -> tuple[bool, int, tuple[int, ...], int]:
+    """How to capture ``t``: (whole_storage, nbytes, stride_in_buffer, offset_in_buffer).
+    ``stride``: ``t.stride()`` when the caller has it (returned as is when it is kept).
+
+    - The whole storage when ``t`` covers all of it, or is a non-dense view spanning at least
+      half of it (q/k/v slices): views are rebuilt on the restored storage with their exact
+      strides, and other views of the same storage share the capture.
+    - Otherwise only ``t``'s elements: in memory order with the same strides when ``t`` is
+      dense, else contiguously.
+    """
+    size, item = t.shape, t.element_size()
+    if stride is None:
+        stride = t.stride()
+    view_bytes = t.numel() * item
+    if view_bytes == storage_nbytes:
+        return True, storage_nbytes, stride, t.storage_offset()
+    if is_dense(size, stride):
+        return False, view_bytes, stride, 0
+    span = (sum((n - 1) * s for n, s in zip(size, stride)) + 1) * item
+    if 2 * span >= storage_nbytes:
+        return True, storage_nbytes, stride, t.storage_offset()
+    return False, view_bytes, contiguous_stride(size), 0
+
+
+def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(size):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+# -- entries -----------------------------------------------------------------------------------
+
+
+class Entry:
+    """The bytes behind one or more handles. See NOTE [Entry states].
+
+    Built by the Packer once its bytes are captured (or their capture is under way). The
+    fields other modules read are documented here; they change only through the methods.
+    """
+
+    __slots__ = (
+        "graveyard",
+        "step",
+        "key",
+        "storage_ref",
+        "device",
+        "nbytes",
+        "padded",
+        "state",
+        "staging",
+        "extent",
+        "host",
+        "dev_buf",
+        "ticket",
+        "check",
+        "digest",
+        "error",
+        "seq",
+        "handles",
+        "uses",
+        "left",
+        "want",
+        "budgeted",
+        "io_busy",
+        "reading",
+        "from_disk",
+        "batch",
+        "slot_at",
+        "skew",
+        "stat",
+    )
+
+    def __init__(
+        self,
+        graveyard: deque,
+        step: Any,
+        key: Any,
+        storage_ref: Any,
+        device: torch.device,
+        nbytes: int,
+        staging: Any,
+        extent: Any,
+        stat: Any,
+    ):
+        self.graveyard = graveyard  # where dying handles queue (NOTE [Deferred release])
+        self.step = step  # the StepState that packed it: its counters and its prefetch plan
+        self.key = key
+        self.storage_ref = storage_ref
+        self.device = device
+        self.nbytes = nbytes
+        self.padded = staging.length  # bytes of staging, extent and read buffer
+        self.state = CAPTURE
+        self.staging = staging  # StagingBlock, Slot or DirectBlock while the bytes are there
+        self.extent = extent  # storage Extent (a batch member's: set when the batch is written)
+        self.host: torch.Tensor | None = None  # host bytes: read back, or kept in memory
+        self.dev_buf: torch.Tensor | None = None  # device copy of ``host`` (CUDA)
+        self.ticket = None  # the capture's Ticket until it is done (captured_by)
+        self.check: tuple[torch.Tensor, int] | None = None  # (source, version at pack)
+        self.digest: int | None = None  # the write's checksum, verified by every read
+        self.error: BaseException | None = None  # raised by every unpack once FAILED
+        self.seq = 0  # pack sequence number of the latest save: orders the prefetch plan
+        self.handles = 0
+        self.uses = 0  # saves of this entry (sum over its handles)
+        self.left = 0  # uses not yet unpacked in the current backward
+        self.want = False  # prefetch asked for it while it was still being written
+        self.budgeted = 0  # bytes this entry holds of the prefetch budget (scheduler.py)
+        self.io_busy = False  # a read or write is in flight
+        self.reading = None  # the read's future while one is in flight
+        self.from_disk = False  # ``host`` came from a disk read (not staging or a fallback)
+        self.batch = None  # the Batch it was coalesced into (NOTE [Coalescing], coalesce.py)
+        self.slot_at = 0  # its byte offset inside the batch
+        self.skew = 0  # where its bytes start in a read-back buffer (NOTE [Direct capture])
+        self.stat = stat  # the GroupStat of the group that packed it
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.state.value} {self.nbytes}B>"
+
+    # -- uses (handles and unpacks) -------------------------------------------------------------
+    def saved(self, seq: int) -> None:
+        """One more save of these bytes: one more unpack to expect, later in the plan."""
+        self.uses += 1
+        self.left += 1
+        self.seq = seq
+
+    def forget(self, packs: int) -> bool:
+        """A handle with ``packs`` saves died; True when it was the last handle."""
+        self.handles -= 1
+        self.uses -= packs
+        self.left = min(self.left, self.uses)
+        return self.handles == 0
+
+    def consumed(self) -> bool:
+        """One use unpacked; True after the last use of this backward (and re-arms for a
+        retained graph's next backward)."""
+        self.left -= 1
+        if self.left > 0:
+            return False
+        self.left = self.uses
+        return True
+
+    # -- capture and write ----------------------------------------------------------------------
+    def captured_by(self, ticket: Any, check: tuple[torch.Tensor, int], batch: Any, skew: int):
+        """How the bytes were captured: the device copy's ``ticket`` (None: done), the source
+        and its version at pack, the ``batch`` of a coalesced entry, and the ``skew`` of a
+        direct capture."""
+        self.ticket = ticket
+        self.check = check
+        if batch is not None:
+            self.batch = batch
+            self.slot_at = self.staging.at
+            batch.add(self)
+        self.skew = skew
+
+    def capture_done(self) -> tuple[torch.Tensor, int]:
+        """The capture completed: returns (source, version at pack) for the caller to check."""
+        check = self.check
+        self.check = None
+        self.ticket = None
+        return check
+
+    def start_write(self, extent: Any = None) -> None:
+        self.state = WRITING
+        self.io_busy = True
+        if extent is not None:
+            self.extent = extent
+
+    def write_ended(self) -> None:
+        self.io_busy = False
+
+    def written(self, digest: int | None) -> None:
+        self.digest = digest
+        self.state = ON_DISK
+
+    def fail(self, err: BaseException) -> None:
+        """Every later unpack raises ``err``."""
+        self.error = err
+        self.state = FAILED
+
+    def stay_in_memory(self) -> None:
+        """The bytes live in ``host`` for good (a failed write; close())."""
+        self.state = MEMORY
+
+    def die(self) -> bool:
+        """The last handle died; False when it was already dead."""
+        if self.state is DEAD:
+            return False
+        self.state = DEAD
+        return True
+
+    # -- bytes in memory -------------------------------------------------------------------------
+    def hold(self, buf: torch.Tensor, from_disk: bool) -> None:
+        self.host = buf
+        self.from_disk = from_disk
+
+    def drop_host(self) -> bool:
+        """Let go of the bytes in memory; True when there were some."""
+        if self.host is None:
+            return False
+        self.host = None
+        self.dev_buf = None
+        return True
+
+    # -- reads -------------------------------------------------------------------------------------
+    def start_read(self, fut: Any) -> None:
+        self.io_busy = True
+        self.reading = fut
+
+    def read_ended(self, fut: Any) -> bool:
+        """``fut`` finished; False when it is not this entry's read (a waiter handled it)."""
+        if self.reading is not fut:
+            return False
+        self.reading = None
+        self.io_busy = False
+        return True
+
+    # -- resources ---------------------------------------------------------------------------------
+    def take_staging(self) -> Any:
+        """The staging block, once: its owner frees it."""
+        blk, self.staging = self.staging, None
+        return blk
+
+    def take_extent(self) -> Any:
+        """The extent, once: its owner frees it."""
+        ext, self.extent = self.extent, None
+        return ext
+
+
+class Handle:
+    """An offloaded saved tensor: geometry into its entry's bytes, plus the pack-time version."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "version", "ref", "key", "packs")
+    __slots__ += ("__weakref__",)
+
+    def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any):
+        self.entry = entry
+        self.dtype = t.dtype
+        self.size = key[2]  # the key's torch.Size, shared
+        self.stride = stride  # a tuple from layout()
+        self.offset = offset
+        self.version = t._version
+        self.ref = weakref.ref(t)
+        self.key = key
+        self.packs = 1
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        try:
+            e = self.entry
+            e.graveyard.append((self.key, e, self.packs))  # NOTE [Deferred release]
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def live_original(self) -> torch.Tensor | None:
+        """The packed tensor itself when it is still alive and unmodified (forwarding)."""
+        t = self.ref()
+        if t is None:
+            return None
+        if t._version != self.version:
+            raise modified_error(t.shape, t.dtype, t._version, self.version)
+        return t
+
+    def view_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """This handle's tensor as a view of the uint8 buffer ``buf`` (zero-copy)."""
+        base = buf.storage_offset() // self.dtype.itemsize
+        out = torch.empty(0, dtype=self.dtype, device=buf.device)
+        return out.set_(buf.untyped_storage(), base + self.offset, self.size, self.stride)
+
+
+class KeptEntry:
+    """Accounting for a storage that stays resident because kept handles reference it."""
+
+    __slots__ = ("graveyard", "cdata", "nbytes", "handles", "__weakref__")
+
+    def __init__(self, graveyard: deque, cdata: int, nbytes: int):
+        self.graveyard = graveyard
+        self.cdata = cdata
+        self.nbytes = nbytes
+        self.handles = 0
+
+
+class KeptHandle:
+    """A saved tensor tba keeps in memory. Holds it, and checks its version on unpack."""
+
+    __slots__ = ("tensor", "version", "entry", "key", "stat", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any, stat: Any = None):
+        self.tensor = t
+        self.version = t._version
+        self.entry = entry
+        self.key = key
+        self.stat = stat  # the GroupStat of the group that packed it (backward timing)
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        try:
+            self.entry.graveyard.append((self.key, self.entry, 0))  # NOTE [Deferred release]
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise modified_error(t.shape, t.dtype, t._version, self.version)
+        return t

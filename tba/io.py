@@ -1,0 +1,204 @@
+"""The I/O state both sides of the data path share: the lock, the backend, the futures in
+flight, a device adapter and staging pool per device, the bytes on disk, and the timing of
+each transfer.
+
+The Packer (tba/pack.py) captures and writes through it, the Reader (tba/unpack.py) reads back
+through it. It knows entries and their resources, but not autograd, the prefetch plan, nor
+why a tensor is kept.
+
+Locking: one re-entrant lock (:attr:`IO.lock`) guards the index, the entries' states, the
+budgets and the counters. I/O completions arrive on I/O threads and take it too. Waiting on
+I/O (stalls) and ``Ticket.wait`` happen outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, Protocol
+
+import torch
+
+from ._memory import io_buffer
+from .config import Config
+from .device import CpuAdapter, DeviceAdapter, adapter_for
+from .entry import Entry
+from .index import Index
+from .staging import DirectBlock, StagingPool
+from .step import GroupStat, StepState
+from .storage.base import Backend, Extent
+
+log = logging.getLogger("tba")
+
+
+class IOSink(Protocol):
+    """Where transfers are reported (tba.metrics.RankMetrics): one append per successful
+    transfer, one call per failed one (NOTE [Metrics] in tba/metrics.py)."""
+
+    io_log: list[tuple[bool, float, int]]
+
+    def io_error(self, op: str, err: BaseException) -> None: ...
+
+
+class IO:
+    """The shared I/O state of one Offloader. Methods marked "lock held" expect :attr:`lock`."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        index: Index,
+        sink: IOSink,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.lock = threading.RLock()
+        self.config = config
+        self.backend = backend
+        self.align = backend.alignment
+        self.checksum = config.checksum
+        self.index = index
+        self.sink = sink
+        self.clock = clock
+        self.pending: set[Future] = set()  # every write and read not yet completed
+        self.live: set[Entry] = set()  # entries not yet dead
+        self.adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
+        self.disk_in_use = 0
+        self.direct_ok = config.checksum == "off"  # NOTE [Direct capture] rule 3
+        self._warned: set[str] = set()
+        self._capture_pool: ThreadPoolExecutor | None = None
+
+    # -- devices ------------------------------------------------------------------------------
+    def device(self, device: torch.device) -> tuple[DeviceAdapter, StagingPool]:
+        """The adapter and staging pool for tensors on ``device``, made on first use."""
+        got = self.adapters.get(device)
+        if got is None:
+            cfg = self.config
+            if device.type == "cpu":
+                adapter: DeviceAdapter = CpuAdapter(2 * cfg.prefetch_bytes)
+            else:  # device memory straight to disk when the backend can (kvikio with GDS)
+                adapter = adapter_for(device, direct=self.backend.device_direct)
+            arena = adapter.staging_arena(cfg.staging_bytes, self.align)
+            # Registering pins (and so faults in) the whole arena. With direct capture the CPU
+            # arena serves only coalesced small tensors, and its untouched pages should cost
+            # nothing (NOTE [Direct capture]).
+            if not (isinstance(adapter, CpuAdapter) and self.direct_ok):
+                self.backend.register(arena)  # long-lived: pinned/mapped once (False: cannot)
+            got = self.adapters[device] = (adapter, StagingPool(arena, self.align))
+        return got
+
+    def staging_in_use(self) -> int:
+        return sum(pool.in_use for _, pool in self.adapters.values())
+
+    def trim(self) -> None:
+        """Let the adapters return their spare read buffers (forward runs without them)."""
+        for adapter, _ in self.adapters.values():
+            adapter.trim()
+
+    def copy_out(self, e: Entry) -> torch.Tensor:
+        """``e``'s bytes, still in staging, as a read buffer of its own (charged). Lock held."""
+        blk = e.staging
+        if isinstance(blk, DirectBlock):  # the source itself: no copy
+            self.index.charge(e.padded)
+            return blk.tensor
+        adapter, _ = self.device(e.device)
+        host = adapter.host_buffer(e.padded, self.align)
+        adapter.copy_staged(host, blk.tensor)
+        self.index.charge(e.padded)
+        return host
+
+    # -- transfers ----------------------------------------------------------------------------
+    def write(self, extent: Extent, buf: Any, stat: GroupStat) -> tuple[Future, float]:
+        """Start a write of ``buf`` to ``extent``; returns its future and its start time."""
+        t0 = self.clock()
+        stat.io_started(True, t0)
+        fut = self.backend.write(extent, buf, self.checksum)
+        self.pending.add(fut)
+        return fut, t0
+
+    def read(self, extent: Extent, device: torch.device, e: Entry) -> Future:
+        """Start a read of ``extent`` into a new buffer for ``device``, verified against
+        ``e.digest``. The future carries ``tba_buffer`` and ``tba_t0``."""
+        adapter, _ = self.device(device)
+        buf = adapter.host_buffer(extent.length, self.align)
+        t0 = self.clock()
+        e.stat.io_started(False, t0)
+        fut = self.backend.read(extent, io_buffer(buf), self.checksum, e.digest)
+        fut.tba_buffer = buf  # type: ignore[attr-defined]
+        fut.tba_t0 = t0  # type: ignore[attr-defined]
+        self.pending.add(fut)
+        return fut
+
+    def finished(self, write: bool, e: Entry, t0: float, nbytes: int) -> None:
+        """A write or read of ``nbytes`` issued at ``t0`` succeeded: the group's and the step's
+        I/O times (adaptive keep, trace) and the metrics. Lock held."""
+        now = self.clock()
+        e.stat.io_done(write, nbytes, now)
+        e.step.io_span(write, t0, now, nbytes)
+        self.sink.io_log.append((write, now - t0, nbytes))
+
+    def failed(self, op: str, err: BaseException, st: StepState) -> None:
+        """A transfer of ``st``'s failed: counted in its stats and the metrics. Lock held."""
+        st.io_errors += 1
+        self.sink.io_error(op, err)
+
+    def settled(self, fut: Future) -> None:
+        self.pending.discard(fut)
+
+    def drain(self) -> None:
+        """Wait until no write or read is in flight."""
+        while True:
+            with self.lock:
+                self.index.bury()
+                pending = list(self.pending)
+            if not pending:
+                return
+            wait_futures(pending)
+
+    def capture_executor(self) -> ThreadPoolExecutor:
+        """The thread that waits for device captures before their writes start."""
+        if self._capture_pool is None:
+            self._capture_pool = ThreadPoolExecutor(1, thread_name_prefix="tba-capture")
+        return self._capture_pool
+
+    # -- resources ------------------------------------------------------------------------------
+    def count_disk(self, st: StepState, nbytes: int) -> None:
+        self.disk_in_use += nbytes
+        st.peak_disk_bytes = max(st.peak_disk_bytes, self.disk_in_use)
+
+    def release(self, e: Entry) -> None:
+        """Free ``e``'s staging and extent (no I/O on them in flight). Lock held."""
+        self.free_staging(e)
+        self.free_extent(e)
+
+    def free_staging(self, e: Entry) -> None:
+        blk = e.take_staging()
+        if blk is not None:
+            blk.release()
+            self.index.uncharge(e.padded)
+
+    def free_extent(self, e: Entry) -> None:
+        ext = e.take_extent()
+        if ext is None:
+            return
+        if e.batch is not None:
+            ext = e.batch.release_extent()
+            if ext is None:
+                return  # other members' bytes are still on it
+        self.backend.free(ext)
+        self.disk_in_use -= ext.length
+
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg)
+
+    def close(self) -> None:
+        """After the last drain: stop the capture thread, trim the adapters, close the files."""
+        if self._capture_pool is not None:
+            self._capture_pool.shutdown(wait=True)
+        self.trim()
+        self.backend.close()
