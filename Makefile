@@ -32,6 +32,7 @@ demo: $(VENV)/.base
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache  # the layering in pyproject.toml [tool.importlinter]
 
 test: lint
 	$(PY) -m pytest -q
