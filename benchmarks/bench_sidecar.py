@@ -8,9 +8,9 @@
 histogram, live gauges), and one spill root. One scan (read the metrics dir, scan the spill
 root and /proc/locks, find the devices, read /sys) and one /metrics collection are run
 (inline) on the event loop itself, (executor) through ``run_in_executor``, and (freeze) through
-``run_in_executor`` after ``gc.freeze()``, which is what the sidecar does (NOTE [Sidecar
-concurrency] in tba/sidecar/app.py), while a 1 ms timer measures how late the loop wakes up.
-Work time and the worst lag of each repeat: medians, and the maximum over --repeats.
+``run_in_executor`` after ``gc.freeze()``, which is what the sidecar does
+(NOTE [Sidecar concurrency] in tba/sidecar/app.py), while a 1 ms timer measures how late the
+loop wakes up. Work time and the worst lag of each repeat: medians, and the maximum over --repeats.
 
 ``rss``: `tba sidecar` (subprocess) serving two training processes (tests/sidecar/_rank.py, a
 small GPT with tba.Offloader and TBA_METRICS_DIR) for --steps steps each, scraped every

@@ -25,18 +25,20 @@ from collections.abc import Callable
 from typing import Any
 
 from .entry import Entry, Handle, KeptEntry, KeptHandle
+from .errors import internal_error
 
 
 class Index:
     """Which views and storages are already saved, and how many bytes tba holds in memory.
 
-    ``on_dead(entry)`` runs (from :meth:`bury`) when an entry's last handle has died;
-    ``on_resident(bytes)`` after every increase of :attr:`resident`. The caller holds its lock
-    around every method.
+    ``on_resident(bytes)`` runs after every increase of :attr:`resident`. :attr:`on_dead`
+    (``entry -> None``) runs from :meth:`bury` when an entry's last handle has died: whoever
+    frees entries sets it (the Offloader wires it to ``Reader.retire``). The caller holds its
+    lock around every method.
     """
 
-    def __init__(self, on_dead: Callable[[Entry], None], on_resident: Callable[[int], None]):
-        self.on_dead = on_dead
+    def __init__(self, on_resident: Callable[[int], None] = lambda n: None):
+        self.on_dead: Callable[[Entry], None] = _unwired
         self.on_resident = on_resident
         self.handles: dict[Any, weakref.ref] = {}  # view key -> handle
         self.entries: dict[Any, Entry] = {}  # (storage cdata, version) -> whole-storage entry
@@ -88,3 +90,7 @@ class Index:
                 if self.entries.get(e.key) is e:
                     del self.entries[e.key]
                 self.on_dead(e)
+
+
+def _unwired(e: Entry) -> None:
+    raise internal_error("index", f"{e!r} died but nothing was wired to free it (on_dead)")

@@ -73,10 +73,11 @@ class Offloader:
         self.depth = DepthController(config.prefetch_bytes)
         self.groups = GroupTracker(self.keeper.k, config.group_bytes)
         self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
-        # The index reports dead entries to the Reader, which is built on the index.
-        self.index = Index(on_dead=lambda e: self.reader.retire(e), on_resident=self._peak)
+        self.index = Index(on_resident=self._peak)
         self.io = IO(config, backend, self.index, self.metrics)
         self.reader = Reader(self.io, self.index, self.prefetcher)
+        self.prefetcher.start = self.reader.start_read  # the plan's reads
+        self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
         self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
         self._trace: TraceWriter | None = None
         if config.trace:

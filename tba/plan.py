@@ -1034,7 +1034,7 @@ def make_plan(
         },
     }
     if w.shape is not None and hw.flops is not None and w.shape.arch == "gpt":
-        t, h = w.shape.tp, w.shape.hidden  # the TBA paper's rule of thumb (ANCHORS.md)
+        t, h = w.shape.tp, w.shape.hidden  # the TBA paper's rule of thumb (docs/sources.md)
         out["tba_paper_write_gbps"] = (10 * t + 24) * hw.flops / (24 * h) / GB
     if hw.device_bytes is not None:
         for row in out["table"]:

@@ -112,7 +112,7 @@ def strided_batches(vocab: int, seq: int, batch: int, steps: int | None = None, 
         n += 1
 
 
-# megatron-core on the CPU (examples and tests; TP=1, PP=1). ANCHORS.md names the first two.
+# megatron-core on the CPU (examples and tests; TP=1, PP=1): docs/sources.md names the first two.
 class MegatronNoBuffer:
     """Stands in for megatron-core's global memory buffer, which allocates on the GPU."""
 

@@ -28,13 +28,12 @@ log = logging.getLogger("tba")
 
 
 class Reader:
-    """Serves unpacks and drives the Prefetcher (which calls :meth:`start_read`)."""
+    """Serves unpacks and drives the Prefetcher, whose ``start`` is :meth:`start_read`."""
 
     def __init__(self, io: IO, index: Index, prefetcher: Prefetcher):
         self.io = io
         self.index = index
         self.prefetcher = prefetcher
-        prefetcher.start = self.start_read
 
     # -- the unpack hook ----------------------------------------------------------------------
     def unpack(self, h: Handle | KeptHandle) -> torch.Tensor:

@@ -43,3 +43,68 @@ def test_torch_free_parts_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = ("tba", "tests", "benchmarks", "examples", "native", "deploy", "docs", ".ci")
+TOP_DOCS = ("README.md", "BENCHMARKS.md", "Makefile", "pyproject.toml")
+CITING = (".py", ".md", ".c", ".h", ".yml", ".yaml", ".json", ".service")
+
+
+def _texts():
+    """(path, text) of every source and document of the repository that cites things."""
+    for name in TOP_DOCS:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            yield name, f.read()
+    for top in SOURCES:
+        for dirpath, dirnames, files in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for name in files:
+                if name.endswith(CITING) or name == "run":
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8") as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+
+
+def test_every_cited_note_is_defined_once():
+    """A ``NOTE [...]`` cited anywhere is written out once: a line that starts with it (after a
+    comment marker) and ends there or goes on with a parenthesis."""
+    import re
+
+    defined: dict[str, list[str]] = {}
+    cited: dict[str, set[str]] = {}
+    for path, text in _texts():
+        head = r"^[ \t]*(?:#|//|\*|)[ \t]*NOTE \[([^\]\n]+)\](?:$| \()"
+        for m in re.finditer(head, text, re.M):
+            defined.setdefault(m.group(1), []).append(path)
+        for m in re.finditer(r"NOTE \[([^\]\n]+)\]", text):
+            cited.setdefault(m.group(1), set()).add(path)
+    cited.pop("...", None)  # the convention itself, named in the README
+    missing = {name: sorted(where) for name, where in cited.items() if name not in defined}
+    assert not missing, f"NOTEs cited but never written out: {missing}"
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not twice, f"NOTEs written out more than once: {twice}"
+
+
+def test_cited_repository_files_exist():
+    """Paths of this repository named in code and docs exist, and nothing cites the design
+    notes that live outside it (their content is in docs/)."""
+    import re
+
+    pattern = re.compile(
+        r"(?<![\w./-])((?:tba|tests|benchmarks|examples|native|deploy|docs)/[\w./-]*\w"
+        r"|(?:README|BENCHMARKS)\.md)"
+    )
+    outside = re.compile(r"\b(ARCHITECTURE|ANCHORS|TECHNIQUES|PITFALLS|STYLE)\.md\b")
+    bad, foreign = [], []
+    for path, text in _texts():
+        for m in pattern.finditer(text):
+            ref = m.group(1).rstrip(".")
+            token = re.match(r"[^\s`'\"]*", text[m.start() :]).group(0)
+            if not re.search(r"\.\w+$", ref) or "*" in token:
+                continue  # a directory, a name that is not a file, or a glob
+            if not os.path.exists(os.path.join(ROOT, ref)):
+                bad.append(f"{path}: {ref}")
+        foreign += [f"{path}: {m.group(0)}" for m in outside.finditer(text)]
+    assert not bad, "cited files that do not exist:\n" + "\n".join(sorted(set(bad)))
+    assert not foreign, "cites design notes outside the repository:\n" + "\n".join(foreign)

@@ -43,7 +43,7 @@ def deepspeed_cpu() -> None:
 
 @contextlib.contextmanager
 def megatron_cpu(tmp_path):
-    """megatron-core (TP=1, PP=1) on the CPU: the two shims of ANCHORS.md, and the schedule's
+    """megatron-core (TP=1, PP=1) on the CPU: the two shims of docs/sources.md, and the schedule's
     one CUDA allocation moved to the CPU (:class:`CudaFactoriesOnCpu`)."""
     from megatron.core import parallel_state, tensor_parallel
 

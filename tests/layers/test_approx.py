@@ -11,7 +11,7 @@ import tba.layers as L
 
 from ._support import saved_bytes
 
-# The constants of TECHNIQUES.md, written out independently of the library.
+# The constants of docs/sources.md (Approx-BP), written out independently of the library.
 GELU_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
 GELU_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
 SILU_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
