@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .config import BACKENDS, format_size, parse_size
+from .errors import ValueParseError
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_USAGE"]
 
@@ -27,7 +28,7 @@ _MIN_PROBE = 1 << 20
 def _probe_size(text: str) -> int:
     try:
         n = parse_size(text)
-    except Exception:
+    except ValueParseError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; use e.g. 64MiB, 256MiB or 1GiB"
         ) from None
@@ -235,7 +236,7 @@ def _plan_positive(example: str) -> Callable[[str], float]:
 def _plan_size(text: str) -> int:
     try:
         n = parse_size(text)
-    except Exception:
+    except ValueParseError:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a size such as 128MiB or 1GiB; got {text!r}")

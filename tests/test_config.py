@@ -9,6 +9,7 @@ import pytest
 import tba
 from tba import config as config_mod
 from tba.config import Config, format_size, parse_size
+from tba.errors import ValueParseError
 
 
 def test_defaults_without_env():
@@ -59,6 +60,15 @@ def test_env_is_read_and_arguments_win():
 )
 def test_sizes_accept_units(text, want):
     assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["lots", "12XB", "-1", -1, 1.5, True, None])
+def test_a_bad_size_is_a_typed_config_error(bad):
+    # A ValueError and a ConfigError both, so callers can catch exactly this and nothing else
+    with pytest.raises(ValueParseError, match=r"tba.config: .* is invalid; expected a size") as e:
+        parse_size(bad)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, tba.ConfigError)
+    assert e.value.value == bad and e.value.expected.startswith("a size")
 
 
 def test_format_size():
