@@ -48,6 +48,7 @@ from ._memory import align_up, aligned_empty, as_memoryview
 from .config import Config, format_size
 from .errors import ConfigError
 from .storage import open_backend
+from .storage.blockdev import block_device
 from .storage.slab import open_unnamed
 from .storage.spilldir import SpillDir, dir_name_pattern, host_tag
 from .storage.statx import dio_alignment, fs_type, io_alignment
@@ -340,7 +341,8 @@ class _Doctor:
         """Filesystem type and free space; False when there is less room than the probe."""
         root = self.cfg.spill_dir
         fs = fs_type(root)
-        device, mount_point = _mount_of(root)
+        found = block_device(root)  # the device the ranks' metrics label their bytes with
+        device, mount_point = found.source, found.mount_point
         facts = self.facts["spill_dir"]
         facts.update(fs_type=fs, device=device, mount_point=mount_point)
         where = f"{fs}" + (f" on {device}" if device else "")
@@ -1152,30 +1154,6 @@ def _missing_components(root: str) -> list[str]:
             break
         path = parent
     return list(reversed(missing))
-
-
-def _mount_of(path: str) -> tuple[str | None, str | None]:
-    """(source device, mount point) of the filesystem holding ``path``, from mountinfo."""
-    try:
-        st = os.stat(path)
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
-    want = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    best: tuple[str | None, str | None] = (None, None)
-    best_len = -1
-    real = os.path.realpath(path)
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, rest = left.split(), right.split()
-        if len(fields) < 5 or len(rest) < 2 or fields[2] != want:
-            continue
-        mp = fields[4].replace("\\040", " ")
-        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
-        if inside and len(mp) > best_len:
-            best, best_len = (rest[1], mp), len(mp)
-    return best
 
 
 def _aligned_roundtrip(fd: int, align: int) -> None:
