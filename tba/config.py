@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import ConfigError, ValueParseError
 
-__all__ = ["Config", "parse_size", "format_size", "BACKENDS", "CHECKSUMS"]
+__all__ = ["Config", "parse_size", "format_size", "environment", "BACKENDS", "CHECKSUMS"]
 
 BACKENDS = ("auto", "native", "posix", "kvikio", "buffered", "memory")
 CHECKSUMS = ("off", "crc32", "crc32c", "xxh64")
@@ -396,6 +396,21 @@ _FIELDS: dict[str, _Field] = {
 }
 
 ENV_NAMES = {f.env: name for name, f in _FIELDS.items()}
+
+# Variables outside TBA_* that tba reads: Config.rank's fallback, and what `tba doctor` bases
+# advice on (ranks per node for the per-process disk quota, and why no CUDA device is seen).
+OTHER_ENV = (
+    *(e for f in _FIELDS.values() for e in f.fallback_env),
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+def environment() -> dict[str, str]:
+    """A copy of every variable tba reads, as set now: each ``TBA_*`` one (known or not, so a
+    caller can report them) and those in :data:`OTHER_ENV`. ``Config(environ=...)`` takes it."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TBA_") or k in OTHER_ENV}
+
 
 _warned_env: set[str] = set()
 
