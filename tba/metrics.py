@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
-from .storage.blockdev import block_device
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +183,8 @@ def spill_device(path: str) -> str:
     partition gives its disk. "unknown" when there is none (tmpfs, a network filesystem, a
     path that does not exist). The sidecar joins its endurance figures on this label, with the
     same rule: NOTE [Block device of a path] in tba/storage/blockdev.py."""
+    from .storage.blockdev import block_device  # here: `import tba` loads no storage module
+
     return block_device(path).label
 
 
