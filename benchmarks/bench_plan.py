@@ -8,7 +8,7 @@ no-offload step, since the machine's speed drifts when anything else runs. The p
 calibrated only from things that are not the answer:
 
 - compute: the per-group forward/backward times of that no-offload step;
-- bytes: the analytical formula for W1's shape (tba/plan.py, NOTE [Activation bytes]);
+- bytes: the analytical formula for W1's shape (tba/plan/shape.py, NOTE [Activation bytes]);
 - capture: the rate of the staging memcpy, timed on its own;
 - disk: the cap when capped, else a probe through the same backend (16 MiB extents, all in
   flight); whether reads and writes share the device is probed too (below).

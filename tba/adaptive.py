@@ -6,20 +6,18 @@ last K blocks resident costs their memory; keeping too few makes backward wait f
 writes that have not finished). After each step whose backward has run, the offloader feeds the
 step's measurements to :class:`KeepController`: per group, the forward and backward compute
 time and the bytes that could be offloaded, and the achieved write and read bandwidth of the
-step. For each candidate K, :func:`simulate` replays the step:
-
-- forward: group i produces its bytes while it computes; one writer drains them at the write
-  bandwidth, in order (the staging pool holds what waits, so the forward never waits);
-- backward, in reverse: reads are issued in reverse order as soon as the group's write is done,
-  the reader is free and the prefetch budget (bytes read but not yet consumed) allows; a group
-  whose write is still running when backward reaches it is served from staging (no read); a
-  group whose read has not landed stalls backward until it does.
+step. For each candidate K, :func:`simulate` replays the step with the simulator `tba plan`
+uses (NOTE [Simulator] in tba/simulator/engine.py), in its plain case: each group's bytes cut
+into pieces produced and consumed evenly over its time (``pieces`` in tba/simulator/rules.py),
+one writer and one reader at the measured rates that do not slow each other, staging that
+never fills, no copy costs, and the read-ahead window in use (DepthController's). Reads run in
+reverse order within the window; a piece the read-ahead reaches while its write still runs is
+served from staging (no read); one whose read has not landed stalls backward until it does.
 
 The controller takes the smallest K whose predicted stall is at most 1% of the step, else the
 K with the shortest predicted step. It decides after step 1 (which runs with K=1), then every
 ``every`` steps, and at once when the measured bandwidth moves by more than 25% or a step
-stalled more than 1%. Simplifications, stated: reads and writes do not slow each other, tensors
-are produced evenly within a group, staging never fills.
+stalled more than 1%.
 """
 
 from __future__ import annotations
@@ -28,12 +26,24 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from .simulator import DEPTH_SAFETY, PIECE, Engine, Setup, Span, pieces, read_ahead
+
+__all__ = [
+    "DEPTH_SAFETY",
+    "PIECE",
+    "DepthController",
+    "Group",
+    "KeepController",
+    "Prediction",
+    "read_ahead",
+    "simulate",
+]
+
 log = logging.getLogger("tba")
 
 STALL_SHARE = 0.01  # a K is good enough when its predicted stall is at most this share of a step
 DRIFT = 0.25  # re-decide when a bandwidth moves by more than this
 FIRST_K = 1  # K for the first step, before anything was measured
-PIECE = 16 << 20  # the simulation moves bytes in pieces of at most this (tensors are smaller)
 
 
 @dataclass(frozen=True)
@@ -49,76 +59,28 @@ class Prediction:
     step_seconds: float
     stall_seconds: float
     kept_bytes: int
-    staged_groups: int  # groups served from staging because their write was still running
+    staged_groups: int  # pieces served from staging because their write was still running
 
 
 def simulate(
     groups: list[Group], kept_from: int, write_bps: float, read_bps: float, prefetch: int, k: int
 ) -> Prediction:
-    """Replay one step with groups ``kept_from`` onwards resident; see NOTE [Adaptive keep].
-
-    Groups are cut into pieces of at most 16 MiB (compute split evenly), since tba reads and
-    releases tensor by tensor: a group larger than the budget is read while the previous one is
-    being consumed, not after it.
-    """
-    piece = PIECE
-    chunks: list[Group] = []
-    first = None
-    for i, g in enumerate(groups):
-        if i == kept_from:
-            first = len(chunks)
-        n = max(1, -(-g.nbytes // piece))
-        q, extra = divmod(g.nbytes, n)
-        chunks += [Group(g.fwd / n, g.bwd / n, q + (j < extra)) for j in range(n)]
-    got = _replay(chunks, len(chunks) if first is None else first, write_bps, read_bps, prefetch)
-    return Prediction(k, *got)
+    """Replay one step with groups ``kept_from`` onwards resident, ``prefetch`` bytes of
+    read-ahead; see NOTE [Adaptive keep]."""
+    return _predict(_spans(groups), kept_from, write_bps, read_bps, prefetch, k)
 
 
-def _replay(groups: list[Group], kept_from: int, write_bps, read_bps, prefetch: int):
-    t = 0.0
-    writer = 0.0
-    written: list[float] = []
-    for i, g in enumerate(groups):
-        start = t
-        t += g.fwd
-        if i < kept_from and g.nbytes:
-            writer = max(max(writer, start) + g.nbytes / write_bps, t)
-        written.append(writer if i < kept_from and g.nbytes else 0.0)
-    forward_end = t
-    reader = forward_end
-    consumed: list[tuple[float, int]] = []  # (time, bytes) groups read back and then used
-    stall = 0.0
-    staged = 0
-    kept = 0
-    for i in range(len(groups) - 1, -1, -1):
-        g = groups[i]
-        if i >= kept_from or not g.nbytes:
-            kept += g.nbytes if i >= kept_from else 0
-            t += g.bwd
-            continue
-        if written[i] > t:  # still being written: the bytes are in staging
-            staged += 1
-            t += g.bwd
-            continue
-        start = max(reader, written[i], forward_end)
-        start = _budget_allows(consumed, start, g.nbytes, prefetch)
-        reader = start + g.nbytes / read_bps
-        wait = max(0.0, reader - t)
-        stall += wait
-        t += wait + g.bwd
-        consumed.append((t, g.nbytes))
-    return t, stall, kept, staged
+def _spans(groups: list[Group]) -> list[Span]:
+    return [Span(g.fwd, g.bwd, pieces(g.nbytes)) for g in groups]
 
 
-def _budget_allows(consumed: list[tuple[float, int]], start: float, nbytes: int, budget: int):
-    """Earliest time >= start when the reads still unconsumed leave room for ``nbytes``."""
-    pending = sorted(c for c in consumed if c[0] > start)
-    held = sum(n for _, n in pending)
-    for when, n in pending:
-        if held == 0 or held + nbytes <= budget:
-            break
-        start, held = when, held - n
-    return start
+def _predict(
+    spans: list[Span], kept_from: int, write_bps: float, read_bps: float, prefetch: int, k: int
+) -> Prediction:
+    setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch)
+    engine = Engine(setup, memory=False)  # the decision needs times only
+    got = engine.step(spans, kept_from, k)
+    return Prediction(k, got.step_seconds, got.stall_seconds, got.kept_bytes, engine.staged_entries)
 
 
 class KeepController:
@@ -161,7 +123,8 @@ class KeepController:
         due = step - self.decided_at >= self.every
         if not (drifted or due or stalled > STALL_SHARE * base):
             return
-        preds = [simulate(groups, kept_from(k), w, r, self.prefetch, k) for k in range(max_k + 1)]
+        spans = _spans(groups)
+        preds = [_predict(spans, kept_from(k), w, r, self.prefetch, k) for k in range(max_k + 1)]
         fits = [p for p in preds if p.stall_seconds <= STALL_SHARE * base]
         best = fits[0] if fits else min(preds, key=lambda p: (p.step_seconds, p.k))
         why = (
@@ -200,36 +163,9 @@ class KeepController:
             )
 
 
-# NOTE [Prefetch depth]
-# TBA_PREFETCH_BYTES caps the read-ahead window; within it, the window (the bytes read ahead
-# and not yet consumed by backward) is sized from measurements of the last observed step:
-#
-#   depth = L * (1 + SAFETY * c / r),  within [L, cap]
-#
-# L is the largest single read (a tensor's extent, or a whole coalesced batch), c the rate at
-# which backward consumed offloaded bytes (their bytes over backward compute time) and r the
-# achieved read bandwidth. While one read of L bytes is in flight (L / r seconds), backward
-# consumes c * L / r bytes, so the window must hold that much beyond the read itself for the
-# next read to be issued early enough; SAFETY (2) absorbs jitter. When the disk reads slower
-# than backward consumes (r <= c), no window hides that, and the cap is used (adaptive keep
-# then keeps more). A step that stalls more than STALL_SHARE of its compute raises a floor: the
-# depth never drops below twice the depth that stalled (up to the cap). A smaller window is a
-# lower peak: on W1 the read-ahead window is most of what tba keeps resident in backward.
-DEPTH_SAFETY = 2.0
-
-
-def read_ahead(largest: int, consume_bps: float, read_bps: float, cap: int) -> tuple[int, str]:
-    """The read-ahead window for these measurements, and why (NOTE [Prefetch depth]); the
-    planner (tba/plan.py) sizes its simulated window with the same rule."""
-    if consume_bps >= read_bps:
-        return cap, "the disk reads slower than backward consumes: the cap"
-    want = int(largest * (1 + DEPTH_SAFETY * consume_bps / read_bps))
-    why = "largest read plus what backward consumes while it is read, twice over"
-    return min(cap, max(want, largest)), why
-
-
 class DepthController:
-    """Chooses the read-ahead window within the TBA_PREFETCH_BYTES cap (NOTE [Prefetch depth])."""
+    """Chooses the read-ahead window within the TBA_PREFETCH_BYTES cap (NOTE [Prefetch depth]
+    in tba/simulator/rules.py, whose read_ahead the planner's simulation uses too)."""
 
     def __init__(self, cap: int):
         self.cap = cap

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .config import BACKENDS, format_size, parse_size
+from .errors import ValueParseError
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_USAGE"]
 
@@ -27,7 +28,7 @@ _MIN_PROBE = 1 << 20
 def _probe_size(text: str) -> int:
     try:
         n = parse_size(text)
-    except Exception:
+    except ValueParseError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; use e.g. 64MiB, 256MiB or 1GiB"
         ) from None
@@ -235,7 +236,7 @@ def _plan_positive(example: str) -> Callable[[str], float]:
 def _plan_size(text: str) -> int:
     try:
         n = parse_size(text)
-    except Exception:
+    except ValueParseError:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a size such as 128MiB or 1GiB; got {text!r}")
@@ -261,7 +262,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "bandwidth that hides offload behind compute, and a simulated step time, stall and "
             "peak memory for every TBA_KEEP_LAST, with the recommended K and keep-all vs "
             "offload vs recompute. From a model shape and hardware figures, or from a trace "
-            "(TBA_TRACE) of a real run. Model and rules: tba/plan.py. Exit 0: done; 2: bad input."
+            "(TBA_TRACE) of a real run. Model and rules: tba/plan/ and tba/simulator/. Exit 0: "
+            "done; 2: bad input."
         ),
     )
     pos = _plan_count(1, "32")

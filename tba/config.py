@@ -15,9 +15,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, ValueParseError
 
-__all__ = ["Config", "parse_size", "format_size", "BACKENDS", "CHECKSUMS"]
+__all__ = ["Config", "parse_size", "format_size", "environment", "BACKENDS", "CHECKSUMS"]
 
 BACKENDS = ("auto", "native", "posix", "kvikio", "buffered", "memory")
 CHECKSUMS = ("off", "crc32", "crc32c", "xxh64")
@@ -44,20 +44,17 @@ _UNITS = {
 }
 
 
-class _Bad(Exception):
-    """Internal: a value failed to parse; the text says what is accepted."""
-
-
 def parse_size(value: Any) -> int:
     """Parse ``4096``, ``"64MiB"``, ``"1.5GB"`` or ``"4k"`` into bytes.
 
     KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000.
+    Anything else raises :class:`tba.errors.ValueParseError` (a :class:`tba.ConfigError`).
     """
     if isinstance(value, bool):
-        raise _Bad("a size, such as 4096, 64MiB or 1GiB")
+        raise ValueParseError(value, "a size, such as 4096, 64MiB or 1GiB")
     if isinstance(value, int):
         if value < 0:
-            raise _Bad("a size of 0 or more bytes")
+            raise ValueParseError(value, "a size of 0 or more bytes")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
@@ -67,7 +64,7 @@ def parse_size(value: Any) -> int:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if n.is_integer() or m.group(2):
                 return int(n)
-    raise _Bad("a size, such as 4096, 64MiB or 1GiB")
+    raise ValueParseError(value, "a size, such as 4096, 64MiB or 1GiB")
 
 
 def format_size(n: int) -> str:
@@ -91,21 +88,21 @@ def _bool(value: Any) -> bool:
             return True
         if v in ("0", "false", "no", "off", ""):
             return False
-    raise _Bad("1 or 0 (also true/false, yes/no, on/off)")
+    raise ValueParseError(value, "1 or 0 (also true/false, yes/no, on/off)")
 
 
 def _count(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool):
-            raise _Bad(f"a whole number >= {minimum}")
+            raise ValueParseError(value, f"a whole number >= {minimum}")
         try:
             n = int(value.strip()) if isinstance(value, str) else int(value)
         except (TypeError, ValueError):
-            raise _Bad(f"a whole number >= {minimum}") from None
+            raise ValueParseError(value, f"a whole number >= {minimum}") from None
         if isinstance(value, float) and not value.is_integer():
-            raise _Bad(f"a whole number >= {minimum}")
+            raise ValueParseError(value, f"a whole number >= {minimum}")
         if n < minimum:
-            raise _Bad(f"a whole number >= {minimum}")
+            raise ValueParseError(value, f"a whole number >= {minimum}")
         return n
 
     return parse
@@ -115,7 +112,9 @@ def _size_at_least(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         n = parse_size(value)
         if n < minimum:
-            raise _Bad(f"a size of at least {format_size(minimum)}, such as 64MiB")
+            raise ValueParseError(
+                value, f"a size of at least {format_size(minimum)}, such as 64MiB"
+            )
         return n
 
     return parse
@@ -124,10 +123,10 @@ def _size_at_least(minimum: int) -> Callable[[Any], int]:
 def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if not isinstance(value, str):
-            raise _Bad("one of " + "|".join(options))
+            raise ValueParseError(value, "one of " + "|".join(options))
         v = value.strip().upper() if upper else value.strip().lower()
         if v not in options:
-            raise _Bad("one of " + "|".join(options))
+            raise ValueParseError(value, "one of " + "|".join(options))
         return v
 
     return parse
@@ -137,7 +136,7 @@ def _path(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
-        raise _Bad("a directory path")
+        raise ValueParseError(value, "a directory path")
     return os.path.abspath(os.path.expanduser(value.strip()))
 
 
@@ -152,9 +151,10 @@ def _quota(value: Any) -> int | None:
         return None
     n = parse_size(value)
     if n == 0:
-        raise _Bad(
+        raise ValueParseError(
+            value,
             "a size such as 100GiB, or 'none' for no quota (0 would forbid every offload; "
-            "use TBA_ENABLED=0 to turn tba off)"
+            "use TBA_ENABLED=0 to turn tba off)",
         )
     return n
 
@@ -166,11 +166,11 @@ def _tbw(value: Any) -> float | None:
     try:
         tb = float(text)
     except ValueError:
-        raise _Bad(
-            "the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB"
+        raise ValueParseError(
+            value, "the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB"
         ) from None
     if not (tb > 0 and tb != float("inf")):
-        raise _Bad("a positive number of terabytes written, e.g. 3500")
+        raise ValueParseError(value, "a positive number of terabytes written, e.g. 3500")
     return tb
 
 
@@ -185,12 +185,14 @@ def _rate(value: Any) -> int | None:
         value = value[:-2] if value.lower().endswith("/s") else value
     try:
         n = parse_size(value)
-    except _Bad:
-        raise _Bad("a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
+    except ValueParseError:
+        raise ValueParseError(value, "a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
     if n == 0:
         return None
     if n < 4096:
-        raise _Bad("a rate of at least 4096 bytes per second, such as 300MB/s, or 0 for no limit")
+        raise ValueParseError(
+            value, "a rate of at least 4096 bytes per second, such as 300MB/s, or 0 for no limit"
+        )
     return n
 
 
@@ -200,7 +202,7 @@ def _optional_file(value: Any) -> str | None:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        raise _Bad("a file path, such as /tmp/tba-trace.jsonl")
+        raise ValueParseError(value, "a file path, such as /tmp/tba-trace.jsonl")
     return os.path.abspath(os.path.expanduser(value.strip()))
 
 
@@ -209,8 +211,8 @@ def _keep(value: Any) -> int | str:
         return "auto"
     try:
         return _count(0)(value)
-    except _Bad:
-        raise _Bad("'auto' or a whole number >= 0") from None
+    except ValueParseError:
+        raise ValueParseError(value, "'auto' or a whole number >= 0") from None
 
 
 def _optional_rank(value: Any) -> int | None:
@@ -395,6 +397,21 @@ _FIELDS: dict[str, _Field] = {
 
 ENV_NAMES = {f.env: name for name, f in _FIELDS.items()}
 
+# Variables outside TBA_* that tba reads: Config.rank's fallback, and what `tba doctor` bases
+# advice on (ranks per node for the per-process disk quota, and why no CUDA device is seen).
+OTHER_ENV = (
+    *(e for f in _FIELDS.values() for e in f.fallback_env),
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+def environment() -> dict[str, str]:
+    """A copy of every variable tba reads, as set now: each ``TBA_*`` one (known or not, so a
+    caller can report them) and those in :data:`OTHER_ENV`. ``Config(environ=...)`` takes it."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TBA_") or k in OTHER_ENV}
+
+
 _warned_env: set[str] = set()
 
 
@@ -465,8 +482,8 @@ class Config:
                     raw, where = f.default, "default"
             try:
                 value = None if (raw is None and f.default is None) else f.parse(raw)
-            except _Bad as bad:
-                problems.append(f"{label} is invalid; expected {bad}.")
+            except ValueParseError as bad:
+                problems.append(f"{label} is invalid; expected {bad.expected}.")
                 value = f.default
             object.__setattr__(self, name, value)
             sources[name] = where

@@ -28,6 +28,16 @@ class ConfigError(TBAError, ValueError):
         super().__init__(msg)
 
 
+class ValueParseError(ConfigError):
+    """One value cannot be parsed (a size, a count, a choice ...). ``expected`` says what is
+    accepted; :class:`tba.Config` folds it into its own list of problems, naming the variable."""
+
+    def __init__(self, value: object, expected: str):
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{value!r} is invalid; expected {expected}.")
+
+
 class StorageError(TBAError, OSError):
     """An I/O operation on a spill file failed. Carries the file, offset, byte count and errno."""
 

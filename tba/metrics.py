@@ -178,52 +178,14 @@ _Key = tuple[str, str, tuple[str, ...]]
 
 
 # -- the block device of a spill dir --------------------------------------------------------
-def _sysfs_disk(dev: int) -> str | None:
-    """The disk (not the partition) behind device number ``dev``, as named in /sys/block."""
-    try:
-        real = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}", strict=True)
-    except OSError:
-        return None
-    if os.path.exists(os.path.join(real, "partition")):
-        real = os.path.dirname(real)
-    return os.path.basename(real)
-
-
-def _mount_source_dev(dev: int) -> int | None:
-    """For a filesystem with an anonymous device number (btrfs), the device of its source."""
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 10 or fields[2] != want or "-" not in fields:
-            continue
-        source = fields[fields.index("-") + 2]
-        if source.startswith("/dev/"):
-            try:
-                st = os.stat(source)
-            except OSError:
-                continue
-            if stat.S_ISBLK(st.st_mode):
-                return st.st_rdev
-    return None
-
-
 def spill_device(path: str) -> str:
-    """The block device holding ``path`` as /sys/block names it ("nvme0n1", "vda"): a
-    partition gives its disk. "unknown" when there is none (tmpfs, a network filesystem)."""
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return "unknown"
-    name = _sysfs_disk(dev)
-    if name is None:
-        src = _mount_source_dev(dev)
-        name = _sysfs_disk(src) if src is not None else None
-    return name or "unknown"
+    """The block device holding ``path`` as /sys/block names it ("nvme0n1", "vda", "dm-0"): a
+    partition gives its disk. "unknown" when there is none (tmpfs, a network filesystem, a
+    path that does not exist). The sidecar joins its endurance figures on this label, with the
+    same rule: NOTE [Block device of a path] in tba/storage/blockdev.py."""
+    from .storage.blockdev import block_device  # here: `import tba` loads no storage module
+
+    return block_device(path).label
 
 
 # -- the process-wide store -----------------------------------------------------------------

@@ -112,7 +112,9 @@ def strided_batches(vocab: int, seq: int, batch: int, steps: int | None = None, 
         n += 1
 
 
-# megatron-core on the CPU (examples and tests; TP=1, PP=1): docs/sources.md names the first two.
+# megatron-core on the CPU (examples and tests; TP=1, PP=1). GPTModel needs two shims there: its
+# global memory buffer (below) and a null context for its CUDA RNG tracker's fork (patched where
+# it is used); CudaFactoriesOnCpu moves the schedule's one CUDA allocation to the CPU.
 class MegatronNoBuffer:
     """Stands in for megatron-core's global memory buffer, which allocates on the GPU."""
 

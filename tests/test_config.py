@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 import tba
 from tba import config as config_mod
 from tba.config import Config, format_size, parse_size
+from tba.errors import ValueParseError
 
 
 def test_defaults_without_env():
@@ -59,6 +62,15 @@ def test_env_is_read_and_arguments_win():
 )
 def test_sizes_accept_units(text, want):
     assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["lots", "12XB", "-1", -1, 1.5, True, None])
+def test_a_bad_size_is_a_typed_config_error(bad):
+    # A ValueError and a ConfigError both, so callers can catch exactly this and nothing else
+    with pytest.raises(ValueParseError, match=r"tba.config: .* is invalid; expected a size") as e:
+        parse_size(bad)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, tba.ConfigError)
+    assert e.value.value == bad and e.value.expected.startswith("a size")
 
 
 def test_format_size():
@@ -140,3 +152,32 @@ def test_offloader_accepts_overrides(tmp_path):
     off = tba.Offloader(spill_dir=str(tmp_path), backend="memory", min_free_bytes=0)
     assert off.config.backend == "memory" and off.stats()["backend"] == "memory"
     off.close()
+
+
+def test_environment_is_every_variable_tba_reads(monkeypatch):
+    monkeypatch.setenv("TBA_STAGING_BYTES", "64MiB")
+    monkeypatch.setenv("TBA_NOT_A_SETTING", "1")  # unknown ones too: callers report them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "x")
+    got = config_mod.environment()
+    assert got["TBA_STAGING_BYTES"] == "64MiB" and got["TBA_NOT_A_SETTING"] == "1"
+    assert got["LOCAL_WORLD_SIZE"] == "4" and got["RANK"] == "2"
+    assert "HOME_OF_SOMETHING_ELSE" not in got and "PATH" not in got
+    assert set(config_mod.OTHER_ENV) >= {"RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"}
+    config_mod._warned_env.discard("TBA_NOT_A_SETTING")
+    with pytest.warns(UserWarning, match="unknown environment variable TBA_NOT_A_SETTING"):
+        assert Config(environ=got, backend="memory").staging_bytes == 64 << 20
+
+
+def test_config_is_the_only_reader_of_the_environment():
+    root = os.path.dirname(os.path.abspath(tba.__file__))
+    readers = re.compile(r"os\.environ|os\.getenv|\benviron\.get\b|os\.getenvb")
+    found = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name.endswith(".py") and path != os.path.join(root, "config.py"):
+                with open(path) as f:
+                    found += [f"{path}:{n}" for n, ln in enumerate(f, 1) if readers.search(ln)]
+    assert found == []

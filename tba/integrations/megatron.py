@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..config import Config, parse_size
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError, ValueParseError
 from ..offloader import Offloader
 from ._common import build_config, describe_sources, env_config, env_kill_switch, forward_scope
 
@@ -142,7 +142,7 @@ def _zero_is_none(name: str, raw: Any) -> Any:
         try:
             if parse_size(raw) == 0:
                 return "none"
-        except Exception:
+        except ValueParseError:
             pass  # Config reports it, under the flag's name
     return raw
 

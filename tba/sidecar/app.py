@@ -204,11 +204,8 @@ class Sidecar:
                     sys_bytes[d] = endurance.sectors_written_bytes(d)
                 except (OSError, IndexError, ValueError):
                     pass
-        tba_bytes: dict[str, float] = {}
-        if reading is not None:
-            for label, value in reading.device_bytes.items():
-                disk = endurance.disk_of(label) if label else ""  # reads /sys: stays here
-                tba_bytes[disk] = tba_bytes.get(disk, 0.0) + value
+        # reads /sys: stays in this thread, off the event loop
+        tba_bytes = endurance.charge_by_disk(reading.device_bytes) if reading is not None else {}
         return Scan(
             reading, problem, roots, disks, sys_bytes, tba_bytes, report, time.perf_counter() - t0
         )

@@ -21,7 +21,9 @@ NOTE [Endurance arithmetic]
    by the same daily rate. With no writes in the window, days_left is +Inf. TBW is per drive;
    ``--ssd-tbw`` applies the same rating to every device found under the spill roots.
 4. A partition is charged to its disk, and a device-mapper or md device to the disks beneath
-   it (``slaves/``): endurance belongs to the physical drive.
+   it (``slaves/``): endurance belongs to the physical drive. Which device holds a spill root
+   is decided as the ranks decide their ``device`` label (NOTE [Block device of a path] in
+   tba/storage/blockdev.py); a stacked device's tba bytes are split evenly over its disks.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ import dataclasses
 import math
 import os
 
+from ..storage.blockdev import SYS, block_device, disk_of, nearest_existing, physical_disks
+
 __all__ = [
     "RateWindow",
+    "charge_by_disk",
     "disks_for_path",
     "disk_of",
     "days_left",
@@ -41,86 +46,32 @@ __all__ = [
 ]
 
 SECTOR_BYTES = 512
-SYS = "/sys"
 SECONDS_PER_DAY = 86400.0
 
 
-def disk_of(name: str) -> str:
-    """The whole disk a block device belongs to: ``nvme0n1p2`` -> ``nvme0n1``; ``/dev/`` is
-    stripped. Unknown names come back as they are."""
-    name = os.path.basename(name.strip())
-    base = os.path.join(SYS, "class", "block", name)
-    if os.path.exists(os.path.join(base, "partition")):
-        return os.path.basename(os.path.dirname(os.path.realpath(base)))
-    return name
-
-
-def _physical(disk: str, depth: int = 0) -> list[str]:
-    slaves_dir = os.path.join(SYS, "class", "block", disk, "slaves")
-    try:
-        slaves = sorted(os.listdir(slaves_dir))
-    except OSError:
-        slaves = []
-    if not slaves or depth > 8:
-        return [disk]
-    out: list[str] = []
-    for s in slaves:
-        for d in _physical(disk_of(s), depth + 1):
-            if d not in out:
-                out.append(d)
-    return out
-
-
-def _mount_source_dev(path: str) -> int | None:
-    """st_rdev of the /dev node mounted at the longest mount point containing ``path``."""
-    best, source = "", None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                parts, rparts = left.split(), right.split()
-                if len(parts) < 5 or len(rparts) < 2:
-                    continue
-                mnt = parts[4].replace("\\040", " ")
-                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, source = mnt, rparts[1]
-    except OSError:
-        return None
-    if not source or not source.startswith("/dev/"):
-        return None
-    try:
-        return os.stat(source).st_rdev
-    except OSError:
-        return None
-
-
 def disks_for_path(path: str) -> tuple[list[str], str]:
-    """The physical disks under ``path`` (or its nearest existing parent), and, when none are
-    found, why (tmpfs, overlay, no /sys)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    try:
-        dev = os.stat(probe).st_dev
-    except OSError as e:
-        return [], f"cannot stat {probe}: {os.strerror(e.errno or 0)}"
-    if os.major(dev) == 0:  # tmpfs, overlay, btrfs subvolumes: anonymous device numbers
-        rdev = _mount_source_dev(os.path.realpath(probe))
-        if rdev is None:
-            return [], (
-                f"{probe} is not on a block device (tmpfs, overlay or a network filesystem?); "
-                "spill to a local NVMe drive"
-            )
-        dev = rdev
-    node = os.path.join(SYS, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}")
-    if not os.path.exists(node):
-        return [], f"{node} does not exist (is /sys mounted?)"
-    real = os.path.realpath(node)
-    disk = os.path.basename(real)
-    if os.path.exists(os.path.join(real, "partition")):
-        disk = os.path.basename(os.path.dirname(real))
-    return _physical(disk), ""
+    """The physical disks under ``path`` (or its nearest existing parent: a spill root may not
+    be made yet), and, when none are found, why (tmpfs, overlay, no /sys). The device is found
+    as the ranks' metrics find it (NOTE [Block device of a path] in tba/storage/blockdev.py),
+    so the ``device`` labels of their byte counters join onto these disks
+    (:func:`charge_by_disk`)."""
+    found = block_device(nearest_existing(path))
+    return list(found.disks), found.why
+
+
+def charge_by_disk(by_label: dict[str, float]) -> dict[str, float]:
+    """The ranks' bytes per ``device`` label, charged to the physical disks beneath each label.
+
+    A label is a whole disk or a stacked device (``dm-0``, ``md0``); a stacked device's bytes
+    are split evenly over its disks, as striping spreads them (a mirror writes each disk in
+    full, so there tba's share is a lower bound). "unknown" or empty labels stay as they are.
+    """
+    out: dict[str, float] = {}
+    for label, value in by_label.items():
+        disks = physical_disks(disk_of(label)) if label and label != "unknown" else [label]
+        for d in disks:
+            out[d] = out.get(d, 0.0) + value / len(disks)
+    return out
 
 
 def sectors_written_bytes(disk: str) -> int:

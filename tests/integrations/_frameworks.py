@@ -43,8 +43,9 @@ def deepspeed_cpu() -> None:
 
 @contextlib.contextmanager
 def megatron_cpu(tmp_path):
-    """megatron-core (TP=1, PP=1) on the CPU: the two shims of docs/sources.md, and the schedule's
-    one CUDA allocation moved to the CPU (:class:`CudaFactoriesOnCpu`)."""
+    """megatron-core (TP=1, PP=1) on the CPU: its global memory buffer replaced
+    (:class:`MegatronNoBuffer`), its CUDA RNG tracker's fork made a null context, and the
+    schedule's one CUDA allocation moved to the CPU (:class:`CudaFactoriesOnCpu`)."""
     from megatron.core import parallel_state, tensor_parallel
 
     init_world_of_one(tmp_path)

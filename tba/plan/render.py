@@ -1,0 +1,138 @@
+"""`tba plan`'s tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import format_size
+from .inputs import GB
+
+
+def _gb(x: float | None) -> str:
+    if x is None:
+        return "inf"
+    return f"{x:.3g}" if x < 10 else f"{x:.0f}"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}" if x < 10 else f"{x * 1e3:.0f}"
+
+
+def _rate(bps: float | None, drives: int) -> str:
+    if bps is None:
+        return "unlimited"
+    return f"{bps / GB:.3g} GB/s" + (f" x {drives} drives" if drives > 1 else "")
+
+
+def render_text(p: dict[str, Any], describe: str = "") -> str:
+    hw, kn = p["hardware"], p["knobs"]
+    lines = []
+    if describe:
+        lines.append(f"model:    {describe}")
+    lines.append(
+        f"disk:     write {_rate(hw['write_bps'], hw['drives'])}, read "
+        f"{_rate(hw['read_bps'], hw['drives'])}, {hw['duplex']} duplex; staging "
+        f"{format_size(kn['staging_bytes'])}, prefetch {format_size(kn['prefetch_bytes'])}, "
+        f"min offload {format_size(kn['min_offload_bytes'])}; "
+        + (
+            f"{p['steps_simulated']} step(s) back to back, the last shown"
+            if p["steps_simulated"]
+            else "steady state of steps back to back"
+        )
+    )
+    lines.append(
+        f"saved:    {format_size(p['per_layer_bytes'])} per layer "
+        f"({format_size(p['per_layer_offloadable_bytes'])} offloadable), "
+        f"{format_size(p['per_step_bytes'])} per step"
+    )
+    lines.append(
+        f"compute:  {_ms(p['layer_forward_seconds'])} ms forward, "
+        f"{_ms(p['layer_backward_seconds'])} ms backward per layer"
+    )
+    need = (
+        f"bandwidth to keep pace with a layer: write {_gb(p['required_write_gbps'])} GB/s "
+        f"(forward), read {_gb(p['required_read_gbps'])} GB/s (backward)"
+    )
+    if "tba_paper_write_gbps" in p:
+        need += f"; TBA paper's (10t+24)F/(24h): {_gb(p['tba_paper_write_gbps'])} GB/s"
+    lines.append(need)
+    if "needed_gbps_keep_1" in p:
+        n = p["needed_gbps_keep_1"]
+        lines.append(
+            "simulated: K=1 runs within 3% of compute with about the peak of an unlimited disk at "
+            + (f"{_gb(n)} GB/s each way (aggregate)" if n else "no rate up to 100 TB/s")
+        )
+    if "over_staging" in p:
+        o = p["over_staging"]
+        lines.append(
+            f"warning:  {o['tensors_per_layer']:g} saved tensors per layer (up to "
+            f"{format_size(o['largest_bytes'])}) are larger than TBA_STAGING_BYTES: they can "
+            "never be offloaded; raise --staging above them"
+        )
+    lines.append("")
+    dev = hw["device"] == "cuda"
+    head = [
+        "K",
+        "step ms",
+        "vs keep-all",
+        "stall ms",
+        "peak device" if dev else "peak",
+        "peak host" if dev else "staging+reads",
+        "written",
+        "read",
+        "staging-full",
+    ]
+    rows = [head]
+    base = p["rok"]["keep_all"]["step_seconds"]
+    for r in p["table"]:
+        mark = " *" if r["keep"] == p["recommended"]["keep"] else ""
+        fit = "" if r.get("fits", True) else " (no fit)"
+        rows.append(
+            [
+                f"{r['keep']}{mark}",
+                _ms(r["step_seconds"]),
+                f"{r['step_seconds'] / base:.3f}" if base else "-",
+                _ms(r["stall_seconds"]),
+                format_size(r["peak_device_bytes"] if dev else r["peak_resident_bytes"]) + fit,
+                format_size(r["peak_host_bytes"]),
+                format_size(r["bytes_written"]),
+                format_size(r["bytes_read"]),
+                format_size(r["staging_full_bytes"]),
+            ]
+        )
+    lines.extend(table_lines(rows))
+    rec = p["recommended"]
+    lines.append(f"\nrecommended: TBA_KEEP_LAST={rec['keep']}  (rule: {rec['rule']})")
+    rok = p["rok"]
+    lines.append("")
+    rows = [["strategy", "step ms", "vs keep-all", "activation memory"]]
+    for name, key in (
+        ("keep all", "keep_all"),
+        (f"offload K={rok['offload']['keep']}", "offload"),
+        ("recompute per block", "recompute"),
+    ):
+        x = rok[key]
+        fit = "" if x.get("fits", True) else " (no fit)"
+        rows.append(
+            [
+                name,
+                _ms(x["step_seconds"]),
+                f"{x['step_seconds'] / base:.3f}" if base else "-",
+                "unknown (block inputs)"
+                if x["memory_bytes"] is None
+                else format_size(x["memory_bytes"]) + fit,
+            ]
+        )
+    lines.extend(table_lines(rows))
+    if p.get("host_fits") is False:
+        lines.append("warning: staging + prefetch exceed --host-mem")
+    return "\n".join(lines)
+
+
+def table_lines(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        out.append("  ".join(cells))
+    return out
