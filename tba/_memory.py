@@ -8,6 +8,8 @@ import threading
 
 import torch
 
+from .errors import internal_error
+
 PAGE = 4096
 
 
@@ -112,7 +114,11 @@ def _measure_free_refs() -> int:
         held = _refs(m)
         del busy
         if held != free + 1 or _refs(m) != free:  # pragma: no cover - a torch change
-            raise RuntimeError("tba: torch.frombuffer no longer holds its buffer's exporter")
+            raise internal_error(
+                "memory",
+                f"torch {torch.__version__}'s frombuffer no longer holds its buffer's exporter, "
+                "which tba's read-buffer pool relies on",
+            )
         m.close()
     return free
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..errors import TBAError
+from ..errors import internal_error
 
 
 class ExtentAllocator:
@@ -60,7 +60,7 @@ class ExtentAllocator:
         """Return the extent that starts at ``offset`` (as returned by :meth:`alloc`)."""
         n = self._live.pop(offset, None)
         if n is None:
-            raise TBAError(f"tba.storage: double free or unknown extent at offset {offset}")
+            raise internal_error("storage", f"double free or unknown extent at offset {offset}")
         self.used -= n
         end = offset + n
         i = bisect.bisect_left(self._starts, offset)

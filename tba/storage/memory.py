@@ -20,7 +20,7 @@ import torch
 
 from .._memory import PAGE, aligned_empty, as_memoryview
 from ..config import Config
-from ..errors import StorageError, TBAError
+from ..errors import StorageError, internal_error
 from .base import Extent
 from .checksum import checksum_fn
 from .ratelimit import DIRECTIONS, check_rate, format_rate
@@ -103,9 +103,10 @@ class MemoryBackend:
                 return  # teardown order: handles may be released after the backend closed
             buf = self._bufs.pop(extent.slab, None)
             if buf is None:
-                raise TBAError(
-                    f"tba.storage: free of an unknown extent (slab {extent.slab}, offset "
-                    f"{extent.offset}): double free, or an extent of another backend"
+                raise internal_error(
+                    "storage",
+                    f"free of an unknown extent (slab {extent.slab}, offset {extent.offset}): "
+                    "double free, or an extent of another backend",
                 )
             self._used -= buf.numel()
 

@@ -29,7 +29,7 @@ import secrets
 import threading
 from collections.abc import Callable
 
-from ..errors import StorageError, TBAError, hint_for
+from ..errors import StorageError, hint_for, internal_error
 from .alloc import ExtentAllocator
 from .base import Extent
 from .nodequota import NodeQuota
@@ -267,9 +267,10 @@ class SlabSet:
                 return  # teardown order: handles may be released after the backend closed
             slab = self.slabs.get(extent.slab)
             if slab is None:
-                raise TBAError(
-                    f"tba.storage: free of an unknown extent (slab {extent.slab}, offset "
-                    f"{extent.offset}): double free, or an extent of another backend"
+                raise internal_error(
+                    "storage",
+                    f"free of an unknown extent (slab {extent.slab}, offset {extent.offset}): "
+                    "double free, or an extent of another backend",
                 )
             slab.alloc.free(extent.offset)
 
