@@ -15,9 +15,11 @@ in tba/index.py for when).
 # NOTE [Entry states]
     CAPTURE --capture done, version unchanged--> WRITING --write ok--> ON_DISK
     CAPTURE --source modified before its capture completed--> FAILED
+    CAPTURE --its batch's extent refused (NOTE [Coalescing])--> MEMORY
     WRITING --write failed, or the source moved (NOTE [Direct capture])--> MEMORY
     WRITING --source modified while it was written (NOTE [Direct capture])--> FAILED
     ON_DISK --read failed--> FAILED (every unpack raises the StorageError)
+    ON_DISK --close() with the bytes read back for a live graph--> MEMORY
     any     --last handle died--> DEAD (resources freed once no I/O is in flight)
 While ON_DISK, ``host`` holds the read-back bytes between a read and the last use of a backward
 (then they are dropped, and read again if a retained graph needs them again). MEMORY entries
