@@ -391,7 +391,7 @@ class RankMetrics:
         self._errors: Counter[tuple[str, str]] = Counter()
         r = (self.rank,)
         self._field_keys = [(f, (fam, "", r)) for f, fam in _STEP_FIELDS]
-        spill = getattr(backend, "spill_path", None)  # None: nothing goes to a disk
+        spill = backend.spill_path  # None: nothing goes to a disk (the memory backend)
         self._device_key = None
         if spill is not None:
             self._device_key = ("tba_device_bytes_written", "", (self.rank, spill_device(spill)))
