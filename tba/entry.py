@@ -294,11 +294,37 @@ class Entry:
         return ext
 
 
+# NOTE [Version witness]
+# Stock PyTorch raises at backward when a saved tensor was modified in place after it was
+# saved, because its SavedVariable keeps the tensor, and with it the tensor's version counter.
+# tba must not keep the tensor (that is the memory it frees), but it can keep the counter: a
+# *witness* is ``t.detach()`` (which shares t's version counter) whose data is then replaced
+# by an empty tensor through ``.data`` (which keeps the counter and bumps nothing). It holds no
+# bytes of t, outlives t, and its ``_version`` moves whenever t, or any view sharing t's
+# counter, is modified in place. Every unpack of a handle compares it with the version at
+# pack, whatever path its bytes took (forwarded, staged, written directly or coalesced, read
+# back or prefetched), so an edit raises stock PyTorch's error in every timing. Cost: about
+# 1 us and one small tensor object per handle.
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def witness(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its memory."""
+    w = t.detach()
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    w.data = empty
+    return w
+
+
 class Handle:
-    """An offloaded saved tensor: geometry into its entry's bytes, plus the pack-time version."""
+    """An offloaded saved tensor: geometry into its entry's bytes, the pack-time version and
+    a witness of the tensor's version counter (NOTE [Version witness])."""
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "version", "ref", "key", "packs")
-    __slots__ += ("__weakref__",)
+    __slots__ += ("witness", "__weakref__")
 
     def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any):
         self.entry = entry
@@ -308,6 +334,7 @@ class Handle:
         self.offset = offset
         self.version = t._version
         self.ref = weakref.ref(t)
+        self.witness = witness(t)
         self.key = key
         self.packs = 1
         entry.handles += 1
@@ -319,14 +346,16 @@ class Handle:
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
+    def check_version(self) -> None:
+        """Raise stock PyTorch's error if the tensor was modified in place since its pack,
+        alive or not (NOTE [Version witness])."""
+        now = self.witness._version
+        if now != self.version:
+            raise modified_error(self.size, self.dtype, now, self.version)
+
     def live_original(self) -> torch.Tensor | None:
-        """The packed tensor itself when it is still alive and unmodified (forwarding)."""
-        t = self.ref()
-        if t is None:
-            return None
-        if t._version != self.version:
-            raise modified_error(t.shape, t.dtype, t._version, self.version)
-        return t
+        """The packed tensor itself while it is alive (forwarding; check_version first)."""
+        return self.ref()
 
     def view_of(self, buf: torch.Tensor) -> torch.Tensor:
         """This handle's tensor as a view of the uint8 buffer ``buf`` (zero-copy)."""

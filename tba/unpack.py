@@ -42,6 +42,7 @@ class Reader:
             if h.stat is not None:
                 h.stat.unpacked(now)
             return h.unpack()
+        h.check_version()  # NOTE [Version witness]
         e = h.entry
         e.stat.unpacked(now)
         lock = self.io.lock

@@ -266,8 +266,9 @@ def test_stock_pytorch_raises_the_same_way():
         z.backward()
 
 
-def test_inplace_on_a_dead_tensor_gives_pack_time_values(make_offloader):
-    """If the modified tensor is gone by backward, the captured (pack-time) bytes are used."""
+def test_inplace_on_a_dead_tensor_raises_like_stock(make_offloader):
+    """A tensor modified in place and gone by backward: stock PyTorch raises (its saved
+    variable keeps the version counter), and so does tba (NOTE [Version witness])."""
     off = make_offloader()
     w = torch.randn(64, requires_grad=True)
     x = torch.randn(64)
@@ -276,6 +277,19 @@ def test_inplace_on_a_dead_tensor_gives_pack_time_values(make_offloader):
         z = (y * w).sum()
         off.synchronize()
     y.add_(1)
+    del y
+    with pytest.raises(tba.UnpackError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_a_dead_tensor_left_alone_gives_its_pack_time_values(make_offloader):
+    off = make_offloader()
+    w = torch.randn(64, requires_grad=True)
+    x = torch.randn(64)
+    with off.step():
+        y = x.exp()
+        z = (y * w).sum()
+        off.synchronize()
     del y
     z.backward()
     assert torch.equal(w.grad, x.exp())
