@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"rank": rank, "losses": losses, "offload": tba.Config().enabled}
     if summary["offload"]:
         off = tba.default_offloader()
+        off.synchronize()  # writes still in flight count as offloaded once they complete
         st = off.stats()
         summary.update(
             spill_path=off.backend.spill_path,

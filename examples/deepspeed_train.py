@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     off = tba_ds.offloader_of(engine)
+    if off is not None:
+        off.synchronize()  # writes still in flight count as offloaded once they complete
     stats = off.stats() if off is not None else {}
     summary = {
         "losses": losses,

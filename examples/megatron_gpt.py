@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
             losses.append(sum(float(d["lm loss"]) for d in out) / len(out))
             print(f"iteration {it + 1:3d}  lm loss {losses[-1]:.4f}")
     off = offloader(step_func)
+    if off is not None:
+        off.synchronize()  # writes still in flight count as offloaded once they complete
     stats = off.stats() if off is not None else {}
     summary = {
         "losses": losses,

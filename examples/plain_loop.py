@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step {len(losses):3d}  loss {losses[-1]:.4f}")
 
     enabled = tba.Config().enabled
+    if enabled:
+        tba.default_offloader().synchronize()  # in-flight writes count once they complete
     stats = tba.default_offloader().stats() if enabled else {}
     summary = {
         "losses": losses,

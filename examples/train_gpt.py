@@ -92,6 +92,7 @@ def child(mode: str, steps: int, batch: int) -> dict:
         losses.append(loss.item())
         line = f"[{mode:>4}] step {i + 1}/{steps}  loss {loss.item():.4f}  {dt:6.2f} s"
         if off is not None:
+            off.synchronize()  # the step's last writes are counted once they complete
             st = off.stats()
             totals["written"] += st["bytes_offloaded"]
             totals["read"] += st["bytes_reloaded"]

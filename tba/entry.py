@@ -137,6 +137,7 @@ class Entry:
         "slot_at",
         "skew",
         "stat",
+        "settled",
     )
 
     def __init__(
@@ -180,6 +181,8 @@ class Entry:
         self.slot_at = 0  # its byte offset inside the batch
         self.skew = 0  # where its bytes start in a read-back buffer (NOTE [Direct capture])
         self.stat = stat  # the GroupStat of the group that packed it
+        self.settled = False  # counted (NOTE [Counted once] in tba/reasons.py)
+        step.unsettled += 1
 
     def __repr__(self) -> str:
         return f"<Entry {self.state.value} {self.nbytes}B>"
@@ -206,6 +209,22 @@ class Entry:
             return False
         self.left = self.uses
         return True
+
+    # -- counting (NOTE [Counted once] in tba/reasons.py) ----------------------------------
+    def settle(self, kept_reason: str | None) -> None:
+        """Count this entry in its step, once: offloaded (``None``: its bytes reached the disk)
+        or kept for ``kept_reason``."""
+        if self.settled:
+            return
+        self.settled = True
+        st, gs = self.step, self.stat
+        st.unsettled -= 1
+        if kept_reason is None:
+            st.offloaded(self.nbytes)
+            gs.offloaded_bytes += self.nbytes
+        else:
+            st.keep(kept_reason)
+            gs.kept_bytes += self.nbytes
 
     # -- capture and write ----------------------------------------------------------------------
     def captured_by(self, ticket: Any, check: tuple[torch.Tensor, int], batch: Any, skew: int):

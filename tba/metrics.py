@@ -11,9 +11,10 @@ NOTE [Metrics]
 2. Nothing runs per tensor. The counters are the sums of the per-step counters of
    tba/step.py, published as deltas when a step starts, when its forward ends, on ``stats()``
    and on ``close()``. A step keeps counting during its backward (reloads, stalls), even after
-   later steps started (gradient accumulation), but only through its live entries: the
-   Offloader tracks each step until none of its entries is alive, so the totals equal the sums
-   of ``stats()`` exactly. Per I/O (not per tensor), one list append, read by the next publish:
+   later steps started (gradient accumulation), but only through its live entries and its
+   writes: the Offloader tracks each step until none of its entries is alive and every one is
+   counted (``unsettled``, NOTE [Counted once] in tba/reasons.py), so the totals equal the
+   sums of ``stats()`` exactly. Per I/O (not per tensor), one list append, read by the next publish:
    ``tba_io_seconds`` and the device byte counter. Per failed entry, like
    ``stats()["io_errors"]``: ``tba_io_errors_total``. The gauges are sampled at the same
    moments as the counters are published.
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .reasons import KEPT_REASONS as _KEPT_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ def _exposed(name: str, d: _Def) -> str:
 METRICS: dict[str, tuple[str, ...]] = {_exposed(n, d): d.labelnames for n, d in _DEFS.items()}
 
 # The reasons pack keeps a tensor in memory (tba/hook.py, tba/offloader.py).
-KEPT_REASONS = ("small", "group", "staging_full", "disk_full", "node_quota", "unsupported")
+KEPT_REASONS = tuple(_KEPT_REASONS)  # the ``reason`` label values of tba_tensors_kept
 
 # StepState attribute -> counter family (NOTE [Metrics] 2).
 _STEP_FIELDS = (
@@ -470,7 +472,7 @@ class RankMetrics:
                         if n != kept[reason]:
                             s.add(("tba_tensors_kept", "", (self.rank, reason)), n - kept[reason])
                             kept[reason] = n
-                if busy is None or st in busy or not st.forward_end:
+                if busy is None or st in busy or not st.forward_end or st.unsettled:
                     keep.append(item)
             self._steps = keep
             self._push_io()

@@ -11,7 +11,6 @@ is never lost.
 
 from __future__ import annotations
 
-import errno
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,6 +23,7 @@ from .errors import internal_error, modified_error
 from .index import Index
 from .io import IO
 from .policy import Policy, is_parameter_like, unsupported
+from .reasons import KEPT_REASONS, kept_reason_for
 from .scheduler import GroupTracker
 from .staging import DirectBlock, StagingPool
 from .step import StepState, StorageRef
@@ -50,7 +50,9 @@ class Packer:
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
         """What autograd stores for ``t``: a handle, a kept handle, or ``t`` itself."""
         if unsupported(t):
-            st.keep("unsupported")
+            with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
+                st.packs += 1
+                st.keep("unsupported")
             return t
         if is_parameter_like(t, self.param_storages):
             return t  # held by the model anyway; never written, never counted
@@ -162,10 +164,7 @@ class Packer:
         if whole:
             self.index.entries[ekey] = e
         io.live.add(e)
-        st.tensors_offloaded += 1
-        st.bytes_offloaded += nbytes
-        gs.offloaded_bytes += nbytes
-        st.entries.append(e)
+        st.entries.append(e)  # counted offloaded once written (NOTE [Counted once])
         if ticket is None or ticket.done():
             self._captured(e)
         else:  # a device copy still running: a thread waits for it, then writes
@@ -192,21 +191,20 @@ class Packer:
         return block if staging.hold(block) else "staging_full"
 
     def _refused(self, st: StepState) -> str:
-        """The backend refused an extent: keep in memory for the rest of the step. Returns the
-        kept reason: "node_quota" (TBA_NODE_MAX_DISK_BYTES) or "disk_full"."""
-        io = self.io
-        reason = io.backend.refusal
+        """The backend refused an extent: returns the kept reason it names (tba/reasons.py)."""
+        backend = self.io.backend
+        return self._stop(st, backend.refusal, backend.refusal_detail)
+
+    def _stop(self, st: StepState, reason: str, detail: str) -> str:
+        """The disk cannot take more for now: keep in memory for the rest of the step, and
+        say why once per reason, with the errno or the numbers and the fix."""
         self._refused_step = st.index
         self._refused_reason = reason
-        if reason == "node_quota":
-            io.warn_once(
-                reason,
-                "tba.pack: the node-wide spill quota (TBA_NODE_MAX_DISK_BYTES="
-                f"{io.config.node_max_disk_bytes}) is used up by the tba processes of this "
-                "node; keeping in memory",
-            )
-        else:
-            io.warn_once("disk_full", "tba.pack: no disk space within quota; keeping in memory")
+        self.io.warn_once(
+            f"refused-{reason}",
+            f"tba.pack: keeping saved tensors in memory for the rest of step {st.index} "
+            f"({reason}): {detail or KEPT_REASONS.get(reason, reason)}",
+        )
         return reason
 
     def _capture_waited(self, fut: Future) -> None:
@@ -225,9 +223,11 @@ class Packer:
         if b is not None:
             b.captured()
         if e.state is DEAD:
+            e.settle("dropped")
             self.io.release(e)
         elif src._version != version:
             e.fail(modified_error(src.shape, src.dtype, src._version, version))
+            e.settle("modified")
             self.io.release(e)
         elif b is None:
             self._write(e)
@@ -252,6 +252,7 @@ class Packer:
             if t0 is not None and err is None:
                 io.finished(True, e, t0, e.padded)
             if e.state is DEAD:
+                e.settle(None if err is None else kept_reason_for(getattr(err, "errno", None)))
                 io.release(e)
                 return
             blk = e.staging
@@ -259,46 +260,51 @@ class Packer:
                 problem = blk.modified()
                 if problem is not None:
                     e.fail(problem)
+                    e.settle("modified")
                     io.release(e)
                     return
                 if blk.moved():
                     io.warn_once(
                         "moved",
-                        "tba.pack: the storage of a saved tensor was resized while tba wrote it; "
-                        "keeping that tensor in memory, as stock PyTorch would read it",
+                        "tba.pack: the storage of a saved tensor was resized while tba wrote "
+                        "it; keeping that tensor in memory, as stock PyTorch would read it",
                     )
-                    self._to_memory(e)
+                    self._to_memory(e, "resized")
                     return
             if err is not None:
                 self._write_failed(e, err)
                 return
             e.written(fut.result())
+            e.settle(None)
             if e.want and e.host is None:  # prefetch asked while it was being written
                 e.hold(io.copy_out(e), from_disk=False)
             io.free_staging(e)
             self.index.bury()
 
     def _write_failed(self, e: Entry, err: BaseException) -> None:
-        """Keep the bytes in memory: a failed write never loses data."""
+        """Keep the bytes in memory: a failed write never loses data. A full, removed,
+        read-only or forbidden spill directory stops offloading for the rest of the step."""
         io = self.io
         io.failed("write", err, e.step)
-        code = getattr(err, "errno", None)
-        if code in (errno.ENOSPC, errno.EDQUOT):
-            self._refused_step = e.step.index
-            self._refused_reason = "disk_full"
-        io.warn_once(
-            f"write-{code}",
-            f"tba.pack: a spill write failed ({err}); keeping its tensor in memory, exact",
-        )
-        self._to_memory(e)
+        reason = kept_reason_for(getattr(err, "errno", None))
+        if reason != "io_error":
+            self._stop(e.step, reason, str(err))
+        else:
+            io.warn_once(
+                f"write-{getattr(err, 'errno', None)}",
+                f"tba.pack: a spill write failed ({err}); keeping its tensor in memory, exact",
+            )
+        self._to_memory(e, reason)
 
-    def _to_memory(self, e: Entry) -> None:
-        """The entry's bytes move from staging to host memory for good (state MEMORY)."""
+    def _to_memory(self, e: Entry, reason: str) -> None:
+        """The entry's bytes move from staging to host memory for good (state MEMORY), kept
+        for ``reason``."""
         io = self.io
         if e.host is None:
             e.hold(io.copy_out(e), from_disk=False)
         io.release(e)
         e.stay_in_memory()
+        e.settle(reason)
 
     # -- coalescing (NOTE [Coalescing] in coalesce.py) ------------------------------------------
     def _batch_for(self, device, staging: StagingPool, nbytes: int, st: StepState):
@@ -337,9 +343,9 @@ class Packer:
         n = b.write_length(io.align)
         extent = io.backend.allocate(n)
         if extent is None:
-            self._refused(st)
+            reason = self._refused(st)
             for m in live:
-                self._to_memory(m)
+                self._to_memory(m, reason)
             return
         if n > b.fill:
             b.block.part(b.fill, n).zero_()  # zero-padded tail

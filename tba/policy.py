@@ -1,13 +1,10 @@
 """Keep or offload: the decision for one saved tensor. No I/O here.
 
-Reasons a tensor stays in memory (the keys of ``stats()["kept_reasons"]``):
-
-- ``small``: it would retain fewer than ``min_offload_bytes``; a tiny I/O costs more than it saves.
-- ``unsupported``: not a plain strided CPU/CUDA tensor (sparse, nested, meta, subclasses...).
-- ``group``: it belongs to one of the last ``keep_last`` groups, which backward needs first.
-- ``staging_full``: the staging pool is full; blocking the forward would cost more.
-- ``disk_full``: the quota, the free-space check or the filesystem refused an extent.
-- ``node_quota``: the node-wide quota (``TBA_NODE_MAX_DISK_BYTES``) is used up by the ranks.
+The reasons a tensor stays in memory are the keys of ``stats()["kept_reasons"]``, listed with
+their meaning in ``KEPT_REASONS`` (tba/reasons.py). This module decides the two that depend only
+on the tensor and its group: ``small`` (a tiny I/O costs more than it saves) and ``group`` (one
+of the last ``keep_last`` groups, which backward needs first). The Packer (tba/pack.py) adds
+the ones that depend on resources: unsupported, staging full, and what the disk refused.
 
 Parameters, views of parameter storage and other leaves that require grad are never offloaded
 nor counted: something else holds them anyway, so writing them would free nothing.

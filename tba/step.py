@@ -144,6 +144,7 @@ class StepState:
         self.packs = 0
         self.coalesced_tensors = 0  # offloaded tensors that went into a batch (NOTE [Coalescing])
         self.coalesced_writes = 0  # batch writes issued
+        self.unsettled = 0  # entries not yet counted (NOTE [Counted once] in tba/reasons.py)
         self.seen: dict[int, StorageRef] = {}  # storages counted in saved_bytes
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
@@ -240,6 +241,10 @@ class StepState:
     def keep(self, reason: str) -> None:
         self.tensors_kept += 1
         self.kept_reasons[reason] += 1
+
+    def offloaded(self, nbytes: int) -> None:
+        self.tensors_offloaded += 1
+        self.bytes_offloaded += nbytes
 
     def snapshot(self, disk_bytes_in_use: int) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in PINNED_KEYS[:-1]}

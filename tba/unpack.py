@@ -18,7 +18,7 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from .coalesce import Batch
-from .entry import DEAD, ON_DISK, Entry, Handle, KeptHandle
+from .entry import CAPTURE, DEAD, ON_DISK, Entry, Handle, KeptHandle
 from .errors import StorageError, internal_error
 from .index import Index
 from .io import IO
@@ -192,8 +192,11 @@ class Reader:
     # -- lifetimes ------------------------------------------------------------------------------
     def retire(self, e: Entry) -> None:
         """The last handle of ``e`` died (the index calls this, lock held)."""
+        was = e.state
         if not e.die():
             return
+        if was is CAPTURE:
+            e.settle("dropped")  # never written; a write in flight settles it when it ends
         self.io.live.discard(e)
         self.prefetcher.give_back(e)
         if e.drop_host():

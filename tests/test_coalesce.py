@@ -175,7 +175,7 @@ def test_disk_full_at_seal_keeps_members_in_memory(spill_dir):
         st, use = off.stats(), off.backend.usage()
     assert same(got, want)
     # The first full batch was refused at its seal; the rest of the step then stays resident.
-    assert use["refused_quota"] >= 1 and st["kept_reasons"].get("disk_full", 0) > 0
+    assert use["refused_quota"] >= 1 and st["kept_reasons"].get("quota", 0) > 0
     assert st["peak_disk_bytes"] <= 1 << 20 and st["disk_bytes_in_use"] == 0
 
 

@@ -70,6 +70,7 @@ class OffloadCallback(TrainerCallback):
             unwrap_forward(self._model)
             self._model = None
         if self.offloader is not None:
+            self.offloader.synchronize()  # the last step's writes are counted once they land
             self.last_stats = self.offloader.stats()
             if self._given is None:
                 self.offloader.close()

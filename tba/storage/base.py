@@ -15,8 +15,9 @@ Contract (the cache relies on each line):
   StorageError(EBADMSG) on mismatch.
 - ``free(extent)`` returns the space at once; it is only called once no I/O on it is in flight.
 - ``close()`` waits for in-flight I/O, closes every file and removes the process directory.
-- ``refusal`` names why the last ``allocate`` returned None: "node_quota" (the node-wide
-  ``TBA_NODE_MAX_DISK_BYTES``) or "disk_full" (this process's quota, free space, an error).
+- ``refusal`` names why the last ``allocate`` returned None, as the kept reason the offloader
+  counts ("quota", "disk_full", "node_quota", "spill_dir_gone", "permission", "read_only",
+  "io_error"); ``refusal_detail`` says what refused, with the numbers or errno, and the fix.
 - ``register(buf)`` offers a long-lived buffer (a staging arena) for the engine to pin or map
   once; False when it cannot (every transfer still works without it).
 - ``device_direct`` is True when ``write``/``read`` take device tensors themselves (GPUDirect
@@ -53,6 +54,9 @@ class Backend(Protocol):
 
     @property
     def refusal(self) -> str: ...
+
+    @property
+    def refusal_detail(self) -> str: ...
 
     @property
     def spill_path(self) -> str | None: ...

@@ -124,9 +124,14 @@ class SlabBackend:
 
     @property
     def refusal(self) -> str:
-        """Why the last ``allocate`` that returned None refused: "node_quota" (the node-wide
-        TBA_NODE_MAX_DISK_BYTES) or "disk_full" (this process's quota, free space, an error)."""
+        """Why the last ``allocate`` that returned None refused, as a kept reason
+        (NOTE [Slabs] 5 in slab.py)."""
         return self._slabs.last_refusal or "disk_full"
+
+    @property
+    def refusal_detail(self) -> str:
+        """What refused, with the numbers or the errno, and the fix."""
+        return self._slabs.refusal_detail
 
     def register(self, buf: Any) -> bool:
         """Thread-pool I/O has nothing to pin a buffer for (the native engine does)."""

@@ -44,6 +44,7 @@ class MemoryBackend:
     alignment = PAGE
     device_direct = False
     refusal = "disk_full"  # never refuses: ``allocate`` always succeeds
+    refusal_detail = ""
     spill_path = None  # nothing goes to a disk
 
     def register(self, buf: Any) -> bool:

@@ -16,7 +16,12 @@ NOTE [Slabs]
    that passed the checks of 2 also asks the node ledger, which may grant less (at least the
    request) or refuse; empty slabs are released to retry once. Every change of the slab bytes
    (growth before the fallocate, release after the close) is recorded in the ledger.
-   ``last_refusal`` says which limit refused last: "node_quota" or "disk_full".
+5. A refusal records its cause as the kept reason the offloader counts (``last_refusal``):
+   "quota" (TBA_MAX_DISK_BYTES), "disk_full" (the free-space floor, ENOSPC, EDQUOT),
+   "node_quota", or, from the errno of a failed statvfs, open or fallocate,
+   ``errors.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
+   "permission", "read_only" or "io_error"; ``refusal_detail`` says what refused, with the
+   numbers or the errno, and the fix.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import StorageError, hint_for, internal_error
+from ..reasons import kept_reason_for
 from .alloc import ExtentAllocator
 from .base import Extent
 from .nodequota import NodeQuota
@@ -124,7 +130,8 @@ class SlabSet:
         self.refused_space = 0
         self.refused_error = 0
         self.refused_node = 0
-        self.last_refusal = ""
+        self.last_refusal = ""  # the kept reason of the last refusal (NOTE [Slabs] 5)
+        self.refusal_detail = ""  # what refused, with the numbers or errno, and the fix
         self.node = node
         self._next = 0
         self._lock = threading.Lock()
@@ -148,8 +155,6 @@ class SlabSet:
                     return Extent(slab.index, off, slab.alloc.size_of(off))
             slab = self._grow(nbytes, fallocate, statvfs)
             if slab is None:
-                if not self.last_refusal:
-                    self.last_refusal = "disk_full"
                 return None
             off = slab.alloc.alloc(nbytes)
             if off is None:  # pragma: no cover - the slab was sized for this request
@@ -181,7 +186,6 @@ class SlabSet:
     ) -> Slab | None:
         a = self.align
         need = max(a, (nbytes + a - 1) // a * a)
-        self.last_refusal = ""
         try:
             quota_room, space_room = self._room(statvfs)
             short = (quota_room is not None and quota_room < need) or space_room < need
@@ -189,26 +193,25 @@ class SlabSet:
                 quota_room, space_room = self._room(statvfs)
         except OSError as e:
             self.refused_error += 1
-            log.warning("tba.storage: statvfs(%s) failed: %s", self.dir_path, e)
-            return None
+            code = e.errno or errno.EIO
+            err = StorageError("statvfs", self.dir_path, 0, 0, code, hint_for(code))
+            return self._refuse(kept_reason_for(code), str(err), logging.WARNING)
         if quota_room is not None and quota_room < need:
             self.refused_quota += 1
-            log.debug(
-                "tba.storage: quota refuses %d bytes (%d of %d in slabs)",
-                need,
-                self.reserved,
-                self.max_disk_bytes,
+            return self._refuse(
+                "quota",
+                f"the per-process quota TBA_MAX_DISK_BYTES={self.max_disk_bytes} is used "
+                f"({self.reserved} bytes in slabs) and {need} more were asked. Raise "
+                "TBA_MAX_DISK_BYTES, or offload less (TBA_KEEP_LAST, TBA_MIN_OFFLOAD_BYTES).",
             )
-            return None
         if space_room < need:
             self.refused_space += 1
-            log.debug(
-                "tba.storage: free space refuses %d bytes (room %d above the %d-byte floor)",
-                need,
-                space_room,
-                self.min_free_bytes,
+            return self._refuse(
+                "disk_full",
+                f"{self.dir_path} has {max(0, space_room)} bytes free above the "
+                f"TBA_MIN_FREE_BYTES floor of {self.min_free_bytes}; {need} were asked. Free "
+                "space on that filesystem, or lower TBA_MIN_FREE_BYTES.",
             )
-            return None
         size = max(need, self.slab_bytes)
         if quota_room is not None:
             size = min(size, quota_room // a * a)
@@ -219,8 +222,12 @@ class SlabSet:
                 granted = self.node.grow(self.reserved, need, size, a)
             if not granted:
                 self.refused_node += 1
-                self.last_refusal = "node_quota"
-                return None
+                return self._refuse(
+                    "node_quota",
+                    f"the node-wide quota TBA_NODE_MAX_DISK_BYTES={self.node.limit} is used "
+                    "up by the tba processes of this node. Raise it, or run fewer ranks per "
+                    "node with offload.",
+                )
             size = granted
         index = self._next
         self._next += 1
@@ -229,9 +236,8 @@ class SlabSet:
             fd = open_unnamed(self.dir_fd, self.dir_path, self.direct, f"slab-{index}")
         except StorageError as e:
             self.refused_error += 1
-            log.warning("%s", e)
             self._unreserve()
-            return None
+            return self._refuse(kept_reason_for(e.errno), str(e), logging.WARNING)
         try:
             try:
                 fallocate(fd, 0, size)
@@ -242,19 +248,25 @@ class SlabSet:
         except OSError as e:
             os.close(fd)
             self._unreserve()
-            if e.errno in _NO_SPACE:
+            code = e.errno or errno.EIO
+            err = StorageError("fallocate", display, 0, size, code, hint_for(code))
+            if code in _NO_SPACE:
                 self.refused_space += 1
-                log.debug("tba.storage: fallocate of %d bytes for %s: %s", size, display, e)
-            else:
-                self.refused_error += 1
-                err = StorageError("fallocate", display, 0, size, e.errno or errno.EIO)
-                log.warning("%s", err)
-            return None
+                return self._refuse("disk_full", str(err))
+            self.refused_error += 1
+            return self._refuse(kept_reason_for(code), str(err), logging.WARNING)
         slab = Slab(index, fd, size, ExtentAllocator(size, a), display)
         self.slabs[index] = slab
         self.reserved += size
         log.debug("tba.storage: new slab %s of %d bytes", display, size)
         return slab
+
+    def _refuse(self, reason: str, detail: str, level: int = logging.DEBUG) -> None:
+        """Record why growth was refused (NOTE [Slabs] 5); returns None for ``_grow``."""
+        self.last_refusal = reason
+        self.refusal_detail = detail
+        log.log(level, "tba.storage: no new slab (%s): %s", reason, detail)
+        return None
 
     def _unreserve(self) -> None:
         """Growth failed after the node ledger granted it: give the grant back."""

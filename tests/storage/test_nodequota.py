@@ -57,7 +57,7 @@ def test_a_process_quota_refusal_is_not_a_node_refusal(make_cfg):
     b = open_backend(make_cfg(backend="posix", node_max_disk_bytes="8MiB", max_disk_bytes="2MiB"))
     with b:
         fill(b)
-        assert b.refusal == "disk_full" and b.usage()["slab_bytes"] == 2 * MIB
+        assert b.refusal == "quota" and b.usage()["slab_bytes"] == 2 * MIB
 
 
 def test_backends_share_the_budget_and_closing_one_frees_it(make_cfg, tmp_path):
