@@ -1,7 +1,7 @@
 """Builds the optional native I/O engine; pyproject.toml remains the source of all metadata.
 
 The engine (native/tba_engine.c) is a plain C shared library with no Python headers, loaded by
-tba/storage/native.py with ctypes. It is declared ``optional``: when the C compiler is missing
+tba/storage/_native_lib.py with ctypes. It is declared ``optional``: when the C compiler is missing
 or fails, setuptools prints a warning and the install goes on without it (``tba`` then reports
 the engine as not built, and the other backends work as before).
 """

@@ -3,6 +3,9 @@
 This module is the only reader of ``os.environ`` in tba. Precedence, per field: an explicit
 argument beats the environment, which beats the default. All problems are collected and raised
 together as one :class:`tba.ConfigError`.
+
+The value parsers (and :func:`parse_size`, :func:`format_size`) are in tba/_config_values.py;
+this module holds the field table, :class:`Config` and the environment.
 """
 
 from __future__ import annotations
@@ -10,11 +13,26 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._config_values import (
+    _bool,
+    _choice,
+    _count,
+    _keep,
+    _optional_file,
+    _optional_path,
+    _optional_rank,
+    _path,
+    _quota,
+    _rate,
+    _size_at_least,
+    _tbw,
+    format_size,
+    parse_size,
+)
 from .errors import ConfigError, ValueParseError
 
 __all__ = ["Config", "parse_size", "format_size", "environment", "BACKENDS", "CHECKSUMS"]
@@ -24,201 +42,6 @@ CHECKSUMS = ("off", "crc32", "crc32c", "xxh64")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _UNSET: Any = object()
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-
-
-def parse_size(value: Any) -> int:
-    """Parse ``4096``, ``"64MiB"``, ``"1.5GB"`` or ``"4k"`` into bytes.
-
-    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000.
-    Anything else raises :class:`tba.errors.ValueParseError` (a :class:`tba.ConfigError`).
-    """
-    if isinstance(value, bool):
-        raise ValueParseError(value, "a size, such as 4096, 64MiB or 1GiB")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueParseError(value, "a size of 0 or more bytes")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n.is_integer() or m.group(2):
-                return int(n)
-    raise ValueParseError(value, "a size, such as 4096, 64MiB or 1GiB")
-
-
-def format_size(n: int) -> str:
-    """Human-readable binary size, e.g. ``64.0 MiB``."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("1", "true", "yes", "on"):
-            return True
-        if v in ("0", "false", "no", "off", ""):
-            return False
-    raise ValueParseError(value, "1 or 0 (also true/false, yes/no, on/off)")
-
-
-def _count(minimum: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        if isinstance(value, bool):
-            raise ValueParseError(value, f"a whole number >= {minimum}")
-        try:
-            n = int(value.strip()) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
-            raise ValueParseError(value, f"a whole number >= {minimum}") from None
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueParseError(value, f"a whole number >= {minimum}")
-        if n < minimum:
-            raise ValueParseError(value, f"a whole number >= {minimum}")
-        return n
-
-    return parse
-
-
-def _size_at_least(minimum: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        n = parse_size(value)
-        if n < minimum:
-            raise ValueParseError(
-                value, f"a size of at least {format_size(minimum)}, such as 64MiB"
-            )
-        return n
-
-    return parse
-
-
-def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        if not isinstance(value, str):
-            raise ValueParseError(value, "one of " + "|".join(options))
-        v = value.strip().upper() if upper else value.strip().lower()
-        if v not in options:
-            raise ValueParseError(value, "one of " + "|".join(options))
-        return v
-
-    return parse
-
-
-def _path(value: Any) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value.strip():
-        raise ValueParseError(value, "a directory path")
-    return os.path.abspath(os.path.expanduser(value.strip()))
-
-
-def _optional_path(value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    return _path(value)
-
-
-def _quota(value: Any) -> int | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
-        return None
-    n = parse_size(value)
-    if n == 0:
-        raise ValueParseError(
-            value,
-            "a size such as 100GiB, or 'none' for no quota (0 would forbid every offload; "
-            "use TBA_ENABLED=0 to turn tba off)",
-        )
-    return n
-
-
-def _tbw(value: Any) -> float | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
-        return None
-    text = str(value).strip().lower().removesuffix("tbw").removesuffix("tb").strip()
-    try:
-        tb = float(text)
-    except ValueError:
-        raise ValueParseError(
-            value, "the drive's rated endurance in terabytes written, e.g. 3500 or 3500TB"
-        ) from None
-    if not (tb > 0 and tb != float("inf")):
-        raise ValueParseError(value, "a positive number of terabytes written, e.g. 3500")
-    return tb
-
-
-def _rate(value: Any) -> int | None:
-    """Bytes per second: ``300MB``, ``300MB/s``, ``1GiB/s``; 0, 'none' or empty mean no limit."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = value.strip()
-        if value.lower() in ("", "none"):
-            return None
-        value = value[:-2] if value.lower().endswith("/s") else value
-    try:
-        n = parse_size(value)
-    except ValueParseError:
-        raise ValueParseError(value, "a rate such as 300MB/s, 1GiB/s or 0 for no limit") from None
-    if n == 0:
-        return None
-    if n < 4096:
-        raise ValueParseError(
-            value, "a rate of at least 4096 bytes per second, such as 300MB/s, or 0 for no limit"
-        )
-    return n
-
-
-def _optional_file(value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str):
-        raise ValueParseError(value, "a file path, such as /tmp/tba-trace.jsonl")
-    return os.path.abspath(os.path.expanduser(value.strip()))
-
-
-def _keep(value: Any) -> int | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _count(0)(value)
-    except ValueParseError:
-        raise ValueParseError(value, "'auto' or a whole number >= 0") from None
-
-
-def _optional_rank(value: Any) -> int | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    return _count(0)(value)
 
 
 def _default_spill_dir() -> str:

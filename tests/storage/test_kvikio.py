@@ -24,6 +24,7 @@ import torch
 from fake_kvikio import FakeDeviceBuffer, FakeKvikio, host_copy_of_fake_device
 from storage_util import empty, filled
 
+import tba.storage._kvikio_buffers as kv_buffers
 import tba.storage.kvikio as kv_mod
 from tba.errors import StorageError
 from tba.storage import Backend
@@ -47,7 +48,7 @@ def fake_cuda(monkeypatch):
         return src, dst
 
     monkeypatch.setattr(kv_mod, "_cuda_probe_pair", pair)
-    monkeypatch.setattr(kv_mod, "_device_to_host", host_copy_of_fake_device)
+    monkeypatch.setattr(kv_buffers, "_device_to_host", host_copy_of_fake_device)
     return made
 
 
