@@ -82,7 +82,7 @@ def replay(off, orig, n: int) -> tuple[float, float, float]:
     record = _best(lambda: m.io_log.append((True, 0.001, 65536)), 100_000) - empty
     m.io_log.clear()
     best = float("inf")
-    with off._lock:
+    with off.io.lock:
         for _ in range(7):
             st = StepState(-1)
             m.io_log.extend([(True, 0.001, 65536), (False, 0.002, 65536)] * n)
