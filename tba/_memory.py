@@ -135,3 +135,16 @@ def io_buffer(t: torch.Tensor):
     """What a backend's ``write``/``read`` takes for ``t``: a memoryview of host memory, or the
     device tensor itself (device-direct I/O, kvikio with GDS)."""
     return as_memoryview(t) if t.device.type == "cpu" else t
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``), or None
+    where that is not known (no /proc, an old kernel)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

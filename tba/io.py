@@ -23,10 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ._memory import io_buffer
-from .config import Config
+from ._memory import available_memory, io_buffer
+from .config import Config, format_size
 from .device import CpuAdapter, DeviceAdapter, adapter_for
 from .entry import Entry
+from .errors import CapacityError, ConfigError
 from .index import Index
 from .staging import DirectBlock, StagingPool
 from .step import GroupStat, StepState
@@ -81,7 +82,10 @@ class IO:
                 adapter: DeviceAdapter = CpuAdapter(2 * cfg.prefetch_bytes)
             else:  # device memory straight to disk when the backend can (kvikio with GDS)
                 adapter = adapter_for(device, direct=self.backend.device_direct)
-            arena = adapter.staging_arena(cfg.staging_bytes, self.align)
+            try:
+                arena = adapter.staging_arena(cfg.staging_bytes, self.align)
+            except (OSError, RuntimeError, MemoryError) as e:
+                raise _no_memory("the staging arena", "staging_bytes", cfg.staging_bytes, e) from e
             # Registering pins (and so faults in) the whole arena. With direct capture the CPU
             # arena serves only coalesced small tensors, and its untouched pages should cost
             # nothing (NOTE [Direct capture]).
@@ -123,7 +127,10 @@ class IO:
         """Start a read of ``extent`` into a new buffer for ``device``, verified against
         ``e.digest``. The future carries ``tba_buffer`` and ``tba_t0``."""
         adapter, _ = self.device(device)
-        buf = adapter.host_buffer(extent.length, self.align)
+        try:
+            buf = adapter.host_buffer(extent.length, self.align)
+        except (OSError, RuntimeError, MemoryError) as e:
+            raise _no_memory("a read-back buffer", "prefetch_bytes", extent.length, e) from e
         t0 = self.clock()
         e.stat.io_started(False, t0)
         fut = self.backend.read(extent, io_buffer(buf), self.checksum, e.digest)
@@ -202,3 +209,33 @@ class IO:
             self._capture_pool.shutdown(wait=True)
         self.trim()
         self.backend.close()
+
+
+def check_host_memory(config: Config) -> None:
+    """Refuse, at start, memory settings this machine cannot give: each of the staging budget
+    and the read-ahead cap must fit in the memory available now (/proc/meminfo)."""
+    avail = available_memory()
+    if avail is None:
+        return
+    problems = []
+    for field, env, default in (
+        ("staging_bytes", "TBA_STAGING_BYTES", "256 MiB"),
+        ("prefetch_bytes", "TBA_PREFETCH_BYTES", "128 MiB"),
+    ):
+        value = getattr(config, field)
+        if value > avail:
+            problems.append(
+                f"{field} ({env}) = {format_size(value)} is more than the memory available on "
+                f"this machine now ({format_size(avail)}, MemAvailable in /proc/meminfo). "
+                f"Lower {env} (the default is {default})."
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _no_memory(what: str, field: str, nbytes: int, err: BaseException) -> CapacityError:
+    env = "TBA_" + field.upper()
+    return CapacityError(
+        f"tba.io: cannot allocate {what} of {format_size(nbytes)} ({err}). Host memory is "
+        f"short: lower {field} ({env}) or free memory, or run with TBA_ENABLED=0."
+    )

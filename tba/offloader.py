@@ -24,7 +24,7 @@ from .config import Config
 from .errors import UsageError
 from .hook import OffloadHooks
 from .index import Index
-from .io import IO
+from .io import IO, check_host_memory
 from .metrics import RankMetrics
 from .pack import Packer
 from .policy import Policy
@@ -63,6 +63,7 @@ class Offloader:
             return
         from .storage import open_backend
 
+        check_host_memory(config)  # before any file exists
         self.backend = backend = open_backend(config)
         try:
             self.metrics = RankMetrics(config, backend)

@@ -160,3 +160,22 @@ def test_the_write_time_is_read_from_the_clock(core):
     assert t1 - t0 == pytest.approx(TICK) and n == h.entry.padded
     assert c.sink.io_log == [(True, pytest.approx(TICK), h.entry.padded)]
     assert st.bandwidth(True) == pytest.approx(h.entry.padded / TICK)
+
+
+def test_a_staging_arena_that_cannot_be_allocated_names_the_setting(core, monkeypatch):
+    import tba.io
+
+    class NoMemory(tba.io.CpuAdapter):
+        def staging_arena(self, nbytes, align):
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: {nbytes} bytes")
+
+    monkeypatch.setattr(tba.io, "CpuAdapter", NoMemory)
+    c = core()
+    st = c.begin()
+    with pytest.raises(tba.CapacityError, match=r"staging arena of 8\.0 MiB .*TBA_STAGING_BYTES"):
+        c.pack(torch.randn(4096), st)
+
+
+def test_memory_settings_beyond_the_machine_are_refused_at_start(spill_dir):
+    with pytest.raises(tba.ConfigError, match=r"prefetch_bytes \(TBA_PREFETCH_BYTES\) = 64\.0 TiB"):
+        tba.Offloader(tba.Config(environ={}, spill_dir=spill_dir, prefetch_bytes="64TiB"))
