@@ -138,6 +138,7 @@ class Entry:
         "skew",
         "stat",
         "settled",
+        "span",
     )
 
     def __init__(
@@ -182,6 +183,7 @@ class Entry:
         self.skew = 0  # where its bytes start in a read-back buffer (NOTE [Direct capture])
         self.stat = stat  # the GroupStat of the group that packed it
         self.settled = False  # counted (NOTE [Counted once] in tba/reasons.py)
+        self.span: tuple[int, int] | None = None  # what its checksum covers (None: all)
         step.unsettled += 1
 
     def __repr__(self) -> str:
@@ -227,10 +229,17 @@ class Entry:
             gs.kept_bytes += self.nbytes
 
     # -- capture and write ----------------------------------------------------------------------
-    def captured_by(self, ticket: Any, check: tuple[torch.Tensor, int], batch: Any, skew: int):
+    def captured_by(
+        self,
+        ticket: Any,
+        check: tuple[torch.Tensor, int],
+        batch: Any,
+        skew: int,
+        span: tuple[int, int] | None,
+    ) -> None:
         """How the bytes were captured: the device copy's ``ticket`` (None: done), the source
-        and its version at pack, the ``batch`` of a coalesced entry, and the ``skew`` of a
-        direct capture."""
+        and its version at pack, the ``batch`` of a coalesced entry, the ``skew`` of a direct
+        capture, and the ``span`` of the write its checksum covers (None: all of it)."""
         self.ticket = ticket
         self.check = check
         if batch is not None:
@@ -238,6 +247,7 @@ class Entry:
             self.slot_at = self.staging.at
             batch.add(self)
         self.skew = skew
+        self.span = span
 
     def capture_done(self) -> tuple[torch.Tensor, int]:
         """The capture completed: returns (source, version at pack) for the caller to check."""

@@ -31,7 +31,8 @@ from .errors import CapacityError, ConfigError
 from .index import Index
 from .staging import DirectBlock, StagingPool
 from .step import GroupStat, StepState
-from .storage.base import Backend, Extent
+from .storage.base import Backend, Extent, Span
+from .storage.checksum import resolve
 
 log = logging.getLogger("tba")
 
@@ -60,7 +61,7 @@ class IO:
         self.config = config
         self.backend = backend
         self.align = backend.alignment
-        self.checksum = config.checksum
+        self.checksum = resolve(config.checksum)  # "auto" -> the algorithm in use
         self.index = index
         self.sink = sink
         self.clock = clock
@@ -68,7 +69,6 @@ class IO:
         self.live: set[Entry] = set()  # entries not yet dead
         self.adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
         self.disk_in_use = 0
-        self.direct_ok = config.checksum == "off"  # NOTE [Direct capture] rule 3
         self._warned: set[str] = set()
         self._capture_pool: ThreadPoolExecutor | None = None
 
@@ -89,7 +89,7 @@ class IO:
             # Registering pins (and so faults in) the whole arena. With direct capture the CPU
             # arena serves only coalesced small tensors, and its untouched pages should cost
             # nothing (NOTE [Direct capture]).
-            if not (isinstance(adapter, CpuAdapter) and self.direct_ok):
+            if not isinstance(adapter, CpuAdapter):
                 self.backend.register(arena)  # long-lived: pinned/mapped once (False: cannot)
             got = self.adapters[device] = (adapter, StagingPool(arena, self.align))
         return got
@@ -115,11 +115,14 @@ class IO:
         return host
 
     # -- transfers ----------------------------------------------------------------------------
-    def write(self, extent: Extent, buf: Any, stat: GroupStat) -> tuple[Future, float]:
-        """Start a write of ``buf`` to ``extent``; returns its future and its start time."""
+    def write(
+        self, extent: Extent, buf: Any, stat: GroupStat, span: Span = None
+    ) -> tuple[Future, float]:
+        """Start a write of ``buf`` to ``extent``, checksummed over ``span`` (None: all of it);
+        returns its future and its start time."""
         t0 = self.clock()
         stat.io_started(True, t0)
-        fut = self.backend.write(extent, buf, self.checksum)
+        fut = self.backend.write(extent, buf, self.checksum, span)
         self.pending.add(fut)
         return fut, t0
 
@@ -133,7 +136,7 @@ class IO:
             raise _no_memory("a read-back buffer", "prefetch_bytes", extent.length, e) from e
         t0 = self.clock()
         e.stat.io_started(False, t0)
-        fut = self.backend.read(extent, io_buffer(buf), self.checksum, e.digest)
+        fut = self.backend.read(extent, io_buffer(buf), self.checksum, e.digest, e.span)
         fut.tba_buffer = buf  # type: ignore[attr-defined]
         fut.tba_t0 = t0  # type: ignore[attr-defined]
         self.pending.add(fut)

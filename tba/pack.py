@@ -143,8 +143,10 @@ class Packer:
                 raise internal_error(
                     "pack", f"staging of {block.length} B got an extent of {extent.length} B"
                 )
+        span = None
         if isinstance(block, DirectBlock):
             ticket, check, skew = None, block.check, block.skew
+            span = (skew, skew + nbytes)  # only its own bytes (NOTE [Direct capture] rule 3)
         else:
             if whole:
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
@@ -157,7 +159,7 @@ class Packer:
             ticket, check, skew = adapter.capture(dst, src), (t, t._version), 0
         gs = self.groups.stat
         e = Entry(self.index.graveyard, st, ekey, sref, t.device, nbytes, block, extent, gs)
-        e.captured_by(ticket, check, batch, skew)
+        e.captured_by(ticket, check, batch, skew, span)
         self.index.charge(block.length)
         if batch is None:
             io.count_disk(st, extent.length)
@@ -176,8 +178,6 @@ class Packer:
     def _direct_block(self, t, storage, whole: bool, nbytes: int, stride, staging: StagingPool):
         """A DirectBlock for ``t``'s own bytes, "staging_full" when they do not fit the staging
         budget, or None when ``t`` must be copied into staging (NOTE [Direct capture])."""
-        if not self.io.direct_ok:
-            return None
         if whole:
             source = torch.empty(0, dtype=torch.uint8).set_(storage)
         elif tuple(stride) == t.stride():  # a dense view: its bytes start at its data pointer
@@ -238,7 +238,7 @@ class Packer:
     # -- writes -------------------------------------------------------------------------------
     def _write(self, e: Entry) -> None:
         e.start_write()
-        fut, t0 = self.io.write(e.extent, e.staging.view, e.stat)
+        fut, t0 = self.io.write(e.extent, e.staging.view, e.stat, e.span)
         fut.add_done_callback(lambda f, e=e, t0=t0: self._write_done(e, f, t0))
 
     def _write_done(self, e: Entry, fut: Future, t0: float | None = None) -> None:

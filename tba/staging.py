@@ -125,8 +125,10 @@ class StagingPool:
 #    frees the memory being written without a version bump. Stock PyTorch's backward would read
 #    that storage as it is by then, so the entry does the same: it keeps a view of the live
 #    storage (state MEMORY) and drops what it wrote.
-# 3. Checksums need the staging copy: the bytes around the tensor can change between the write
-#    and the digest. With TBA_CHECKSUM on, every capture goes through staging.
+# 3. The checksum covers only the tensor's own bytes, ``[skew, skew + nbytes)`` of the write
+#    (the entry's ``span``): the bytes around them belong to other tensors and may change at
+#    any time, while the tensor's own are guarded by rule 2 (a change fails the entry, so a
+#    digest taken over changing bytes is never trusted). Reads verify the same span.
 # 4. Bytes held this way count against TBA_STAGING_BYTES together with the pool's, so the
 #    staging_full rule (keep resident rather than block the forward) still bounds them.
 class DirectBlock:

@@ -84,15 +84,15 @@ class FailingBackend(MemoryBackend):
         f.set_exception(StorageError(op, f"memory extent {extent.slab}", 0, n, self.code))
         return f
 
-    def write(self, extent, buf, checksum="off"):
+    def write(self, extent, buf, checksum="off", span=None):
         if self.op == "write":
             return self._fail("write", extent, len(buf))
-        return super().write(extent, buf, checksum)
+        return super().write(extent, buf, checksum, span)
 
-    def read(self, extent, buf, checksum="off", expect=None):
+    def read(self, extent, buf, checksum="off", expect=None, span=None):
         if self.op == "read":
             return self._fail("read", extent, len(buf))
-        return super().read(extent, buf, checksum, expect)
+        return super().read(extent, buf, checksum, expect, span)
 
 
 class GatedBackend(MemoryBackend):
@@ -125,11 +125,12 @@ class GatedBackend(MemoryBackend):
             else:
                 f.set_result(done.result())
 
-    def write(self, extent, buf, checksum="off"):
-        return self._gate("write", lambda: MemoryBackend.write(self, extent, buf, checksum))
+    def write(self, extent, buf, checksum="off", span=None):
+        run = lambda: MemoryBackend.write(self, extent, buf, checksum, span)  # noqa: E731
+        return self._gate("write", run)
 
-    def read(self, extent, buf, checksum="off", expect=None):
-        run = lambda: MemoryBackend.read(self, extent, buf, checksum, expect)  # noqa: E731
+    def read(self, extent, buf, checksum="off", expect=None, span=None):
+        run = lambda: MemoryBackend.read(self, extent, buf, checksum, expect, span)  # noqa: E731
         return self._gate("read", run)
 
 

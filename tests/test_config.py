@@ -96,7 +96,7 @@ def test_format_size():
             r"TBA_BACKEND='nvme' is invalid; expected one of auto\|native\|posix",
         ),
         ({"TBA_ENABLED": "maybe"}, r"TBA_ENABLED='maybe' is invalid; expected 1 or 0"),
-        ({"TBA_CHECKSUM": "md5"}, r"TBA_CHECKSUM='md5' is invalid; expected one of off\|crc32"),
+        ({"TBA_CHECKSUM": "md5"}, r"TBA_CHECKSUM='md5' is invalid; expected one of auto\|off"),
         ({"TBA_LOG_LEVEL": "loud"}, r"TBA_LOG_LEVEL='loud' is invalid; expected one of DEBUG"),
         ({"TBA_MAX_DISK_BYTES": "0"}, r"TBA_MAX_DISK_BYTES='0' is invalid; .*'none' for no quota"),
         ({"TBA_SPILL_DIR": "  "}, r"TBA_SPILL_DIR='  ' is invalid; expected a directory path"),

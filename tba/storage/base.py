@@ -10,9 +10,10 @@ Contract (the cache relies on each line):
   extent.length``. The returned future resolves to ``None`` or raises :class:`tba.StorageError`
   naming the file, offset, byte count and errno. A short transfer is retried to completion; an
   error is never turned into zeros.
-- ``checksum`` (optional, "crc32" etc.): ``write`` computes it over ``buf`` on the I/O thread and
-  its future resolves to the digest; ``read`` with ``expect`` verifies it and raises
-  StorageError(EBADMSG) on mismatch.
+- ``checksum`` (optional, "auto", "xxh3", "crc32" etc.): ``write`` computes it over ``buf`` (or
+  over ``buf[start:stop]`` for a ``span``) on the I/O thread and its future resolves to the
+  digest; ``read`` with ``expect`` verifies it over the same span and raises
+  StorageError(EBADMSG) on mismatch, naming the file, offset, expected and actual digests.
 - ``free(extent)`` returns the space at once; it is only called once no I/O on it is in flight.
 - ``close()`` waits for in-flight I/O, closes every file and removes the process directory.
 - ``refusal`` names why the last ``allocate`` returned None, as the kept reason the offloader
@@ -36,6 +37,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+Span = tuple[int, int] | None  # the [start, stop) of a buffer a checksum covers (None: all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +70,17 @@ class Backend(Protocol):
 
     def free(self, extent: Extent) -> None: ...
 
-    def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future: ...
+    def write(
+        self, extent: Extent, buf: memoryview, checksum: str = "off", span: Span = None
+    ) -> Future: ...
 
     def read(
-        self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
+        self,
+        extent: Extent,
+        buf: memoryview,
+        checksum: str = "off",
+        expect: int | None = None,
+        span: Span = None,
     ) -> Future: ...
 
     def set_rate(self, op: str, bps: int | None, *, burst: int | None = None) -> None: ...

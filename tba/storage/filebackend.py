@@ -29,8 +29,8 @@ import numpy as np
 from .._memory import aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, hint_for
-from .base import Extent
-from .checksum import Digest, checksum_fn
+from .base import Extent, Span
+from .checksum import Digest, checksum_fn, digest_for
 from .nodequota import NodeQuota
 from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_burst, check_rate, describe_caps
 from .slab import Slab, SlabSet, open_unnamed
@@ -350,15 +350,22 @@ class SlabBackend:
             return self._pool.submit(job, *args)
         return pacer.submit(nbytes, job, *args)
 
-    def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future:
-        digest = checksum_fn(checksum)
+    def write(
+        self, extent: Extent, buf: memoryview, checksum: str = "off", span: Span = None
+    ) -> Future:
+        digest = digest_for(checksum, span)
         slab = self._check(extent, buf)
         return self._submit("write", len(buf), self._write_job, slab, extent.offset, buf, digest)
 
     def read(
-        self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
+        self,
+        extent: Extent,
+        buf: memoryview,
+        checksum: str = "off",
+        expect: int | None = None,
+        span: Span = None,
     ) -> Future:
-        digest = checksum_fn(checksum)
+        digest = digest_for(checksum, span)
         slab = self._check(extent, buf)
         return self._submit(
             "read", len(buf), self._read_job, slab, extent.offset, buf, checksum, digest, expect

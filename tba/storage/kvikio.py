@@ -60,10 +60,10 @@ import torch
 
 from .._memory import aligned_empty, as_memoryview
 from ..config import Config
-from ..errors import StorageError, TBAError, hint_for
+from ..errors import StorageError, TBAError, hint_for, internal_error
 from ._kvikio_api import _configure, _describe, _errno_of, _facts, _load, _part, kvikio_status
 from ._kvikio_buffers import _CudaBytes, _device_view, _host_bytes, _host_view, _via_host
-from .base import Extent
+from .base import Extent, Span
 from .checksum import checksum_fn
 from .filebackend import SlabBackend
 from .slab import Slab, open_unnamed
@@ -306,20 +306,27 @@ class KvikioBackend(SlabBackend):
         self._close_released()
         return extent
 
-    def write(self, extent: Extent, buf: Any, checksum: str = "off") -> Future:
+    def write(self, extent: Extent, buf: Any, checksum: str = "off", span: Span = None) -> Future:
         view = _device_view(buf)
         if view is None:
-            return super().write(extent, _host_view(buf), checksum)
+            return super().write(extent, _host_view(buf), checksum, span)
+        _whole(span)
         digest = _via_host(checksum_fn(checksum))
         slab = self._check(extent, view)
         return self._submit("write", len(view), self._write_job, slab, extent.offset, view, digest)
 
     def read(
-        self, extent: Extent, buf: Any, checksum: str = "off", expect: int | None = None
+        self,
+        extent: Extent,
+        buf: Any,
+        checksum: str = "off",
+        expect: int | None = None,
+        span: Span = None,
     ) -> Future:
         view = _device_view(buf)
         if view is None:
-            return super().read(extent, _host_view(buf), checksum, expect)
+            return super().read(extent, _host_view(buf), checksum, expect, span)
+        _whole(span)
         if view.readonly:
             raise ValueError("tba.storage: cannot read into a read-only device buffer")
         digest = _via_host(checksum_fn(checksum))
@@ -374,3 +381,10 @@ class KvikioBackend(SlabBackend):
                 dereg(view)
             except Exception as e:
                 log.warning("tba.storage: kvikio.memory_deregister(%r) failed: %s", view, e)
+
+
+def _whole(span: Span) -> None:
+    """Device buffers are staging blocks or read buffers, checksummed whole: a partial span
+    belongs only to direct captures of CPU tensors (NOTE [Direct capture] in tba/staging.py)."""
+    if span is not None:
+        raise internal_error("storage", f"a checksum span {span} for a device buffer")

@@ -21,8 +21,8 @@ import torch
 from .._memory import PAGE, aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, internal_error
-from .base import Extent
-from .checksum import checksum_fn
+from .base import Extent, Span
+from .checksum import checksum_fn, digest_for
 from .ratelimit import DIRECTIONS, check_rate, format_rate
 
 __all__ = ["MemoryBackend"]
@@ -132,8 +132,10 @@ class MemoryBackend:
             for k, v in deltas.items():
                 self._stats[k] += v
 
-    def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future:
-        digest = checksum_fn(checksum)
+    def write(
+        self, extent: Extent, buf: memoryview, checksum: str = "off", span: Span = None
+    ) -> Future:
+        digest = digest_for(checksum, span)
         dst = self._view(extent, buf)
         value = digest(buf) if digest is not None else None
         dst[:] = buf
@@ -141,9 +143,14 @@ class MemoryBackend:
         return _done(value)
 
     def read(
-        self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
+        self,
+        extent: Extent,
+        buf: memoryview,
+        checksum: str = "off",
+        expect: int | None = None,
+        span: Span = None,
     ) -> Future:
-        digest = checksum_fn(checksum)
+        digest = digest_for(checksum, span)
         src = self._view(extent, buf)
         buf[:] = src
         if digest is not None and expect is not None:

@@ -53,8 +53,8 @@ from ._native_lib import (
     _ring_reason,
     engine_status,
 )
-from .base import Extent
-from .checksum import Digest, checksum_fn
+from .base import Extent, Span
+from .checksum import Digest, digest_for
 from .filebackend import SlabBackend, _address
 from .slab import Slab
 
@@ -203,16 +203,23 @@ class NativeBackend(SlabBackend):
         return extent
 
     # -- the Backend protocol --------------------------------------------------------------
-    def write(self, extent: Extent, buf: memoryview, checksum: str = "off") -> Future:
-        digest: Digest | None = checksum_fn(checksum)
+    def write(
+        self, extent: Extent, buf: memoryview, checksum: str = "off", span: Span = None
+    ) -> Future:
+        digest: Digest | None = digest_for(checksum, span)
         slab = self._check(extent, buf)
         req = _Request("write", slab.display, extent.offset, buf, digest, checksum, None, True)
         return self._engine.submit(_WRITE, self._handle(slab), buf, extent.offset, self._unit, req)
 
     def read(
-        self, extent: Extent, buf: memoryview, checksum: str = "off", expect: int | None = None
+        self,
+        extent: Extent,
+        buf: memoryview,
+        checksum: str = "off",
+        expect: int | None = None,
+        span: Span = None,
     ) -> Future:
-        digest = checksum_fn(checksum)
+        digest = digest_for(checksum, span)
         slab = self._check(extent, buf)
         if buf.readonly:
             raise ValueError("tba.storage: read() needs a writable buffer")
