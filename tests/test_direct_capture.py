@@ -141,7 +141,9 @@ def test_storage_resized_while_the_write_runs_reads_it_as_stock_pytorch(make_off
         loss = (x * w).sum()
     nbytes = x.untyped_storage().nbytes()
     x.untyped_storage().resize_(0)  # frees the memory the blocked write points at
+    blocker = torch.empty(nbytes, dtype=torch.uint8)  # takes it, so the storage must move
     x.untyped_storage().resize_(nbytes)
+    assert x.data_ptr() != blocker.data_ptr()
     x.data.copy_(want)  # refilled without a version bump, at a new address
     ev.set()
     off.synchronize()
