@@ -6,6 +6,7 @@ import mmap
 import sys
 import threading
 
+import numpy as np
 import torch
 
 from .errors import internal_error
@@ -129,6 +130,11 @@ _FREE_REFS = _measure_free_refs()
 def as_memoryview(t: torch.Tensor) -> memoryview:
     """A writable, zero-copy byte view of a contiguous uint8 CPU tensor."""
     return memoryview(t.numpy()).cast("B")
+
+
+def address_of(buf: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def io_buffer(t: torch.Tensor):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .entry import Handle, KeptHandle
+from .handle import Handle, KeptHandle
 from .pack import Packer
 from .step import StepState
 from .unpack import Reader

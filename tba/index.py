@@ -24,8 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .entry import Entry, Handle, KeptEntry, KeptHandle
+from .entry import Entry
 from .errors import internal_error
+from .handle import Handle, KeptEntry, KeptHandle
 
 
 class Index:

@@ -18,8 +18,9 @@ import torch
 
 from .coalesce import Batch, batch_bytes
 from .device import CpuAdapter
-from .entry import DEAD, FAILED, Entry, Handle, KeptHandle, layout
+from .entry import DEAD, FAILED, Entry
 from .errors import internal_error, modified_error
+from .handle import Handle, KeptHandle, layout
 from .index import Index
 from .io import IO
 from .policy import Policy, is_parameter_like, unsupported

@@ -18,8 +18,9 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from .coalesce import Batch
-from .entry import CAPTURE, DEAD, ON_DISK, Entry, Handle, KeptHandle
+from .entry import CAPTURE, DEAD, ON_DISK, Entry
 from .errors import StorageError, internal_error
+from .handle import Handle, KeptHandle
 from .index import Index
 from .io import IO
 from .scheduler import Prefetcher

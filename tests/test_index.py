@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import tba
-from tba.entry import contiguous_stride, is_dense, layout
+from tba.handle import contiguous_stride, is_dense, layout
 
 
 class SaveForBackward(torch.autograd.Function):

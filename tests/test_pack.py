@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tba
-from tba.entry import FAILED, MEMORY, ON_DISK, Handle, KeptHandle
+from tba.entry import FAILED, MEMORY, ON_DISK
+from tba.handle import Handle, KeptHandle
 
 from ._core import TICK, Core, FailingBackend, GatedBackend, RefusingBackend
 

@@ -17,9 +17,11 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+from .._memory import address_of
 from ..errors import StorageError, hint_for
 from ._native_lib import _P, NativeUnavailable, _Completion, _Config, _Info, _name
-from .filebackend import _address, _release
+from .checksum import mismatch_hint
+from .filebackend import _release
 
 log = logging.getLogger("tba.storage")
 
@@ -29,7 +31,7 @@ _BATCH = 64
 
 def _buffer_address(buf: memoryview) -> int:
     if buf.readonly:
-        return _address(buf)
+        return address_of(buf)
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # 6x cheaper than numpy's
 
 
@@ -53,13 +55,6 @@ def _failure_hint(err: int, why: int, tries: int) -> str:
             "shares: open a new backend in this process."
         )
     return hint_for(err)
-
-
-def _mismatch_hint(name: str, expect: int, got: int) -> str:
-    return (
-        f"Checksum {name} mismatch: expected {expect:#x}, got {got:#x}. The spilled bytes were "
-        "corrupted on the way to or from the device; check dmesg and the drive's health."
-    )
 
 
 # -- one engine and its reaper ---------------------------------------------------------------
@@ -213,7 +208,7 @@ class _Engine:
                 if counted:
                     tally["io_errors"] += 1
                     tally["checksum_errors"] += 1
-                hint = _mismatch_hint(req.name, req.expect, got)
+                hint = mismatch_hint(req.name, req.expect, got)
                 return False, StorageError("read", req.shown, req.offset, n, _errno.EBADMSG, hint)
         if counted:
             tally["reads"] += 1

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 
-__all__ = ["Digest", "checksum_fn", "digest_for", "resolve"]
+__all__ = ["Digest", "checksum_fn", "digest_for", "mismatch_hint", "resolve"]
 
 Digest = Callable[[memoryview], int]
 
@@ -117,3 +117,14 @@ def digest_for(name: str, span: tuple[int, int] | None = None) -> Digest | None:
         return digest
     start, stop = span
     return lambda buf: digest(buf[start:stop])
+
+
+DEVICE_CAUSE = (
+    "The spilled bytes were corrupted on the way to or from the device; check dmesg and the "
+    "drive's health."
+)
+
+
+def mismatch_hint(name: str, expect: int, got: int, cause: str = DEVICE_CAUSE) -> str:
+    """The explanation a StorageError(EBADMSG) carries when a read fails its checksum."""
+    return f"Checksum {resolve(name)} mismatch: expected {expect:#x}, got {got:#x}. {cause}"

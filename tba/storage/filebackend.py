@@ -24,13 +24,11 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from .._memory import aligned_empty, as_memoryview
+from .._memory import address_of, aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, hint_for
 from .base import Extent, Span
-from .checksum import Digest, checksum_fn, digest_for
+from .checksum import Digest, checksum_fn, digest_for, mismatch_hint
 from .nodequota import NodeQuota
 from .ratelimit import DIRECTIONS, Pacer, TokenBucket, check_burst, check_rate, describe_caps
 from .slab import Slab, SlabSet, open_unnamed
@@ -42,10 +40,6 @@ __all__ = ["SlabBackend"]
 _MAX_AGAIN = 16  # EAGAIN retries before giving up
 _MAX_STALLS = 8  # consecutive transfers that make no progress before giving up
 _STAT_KEYS = ("bytes_written", "bytes_read", "writes", "reads", "io_errors", "checksum_errors")
-
-
-def _address(buf: memoryview) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _release(
@@ -312,25 +306,17 @@ class SlabBackend:
             got = digest(buf)
             if got != expect:
                 self._count(io_errors=1, checksum_errors=1)
-                raise StorageError(
-                    "read",
-                    slab.display,
-                    off,
-                    len(buf),
-                    errno.EBADMSG,
-                    f"Checksum {name} mismatch: expected {expect:#x}, got {got:#x}. The spilled "
-                    "bytes were corrupted on the way to or from the device; check dmesg and the "
-                    "drive's health.",
-                )
+                hint = mismatch_hint(name, expect, got)
+                raise StorageError("read", slab.display, off, len(buf), errno.EBADMSG, hint)
         self._count(reads=1, bytes_read=len(buf))
 
     def _check(self, extent: Extent, buf: memoryview) -> Slab:
         if self._closed:
             raise ValueError(f"tba.storage: I/O on a closed {self.name} backend")
         slab = self._slabs.slab_for(extent, len(buf))
-        if self.direct and _address(buf) % self.alignment:
+        if self.direct and address_of(buf) % self.alignment:
             raise ValueError(
-                f"tba.storage: buffer address {_address(buf):#x} is not a multiple of "
+                f"tba.storage: buffer address {address_of(buf):#x} is not a multiple of "
                 f"{self.alignment}, as O_DIRECT requires; allocate it with aligned_empty()"
             )
         return slab

@@ -22,7 +22,7 @@ from .._memory import PAGE, aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, internal_error
 from .base import Extent, Span
-from .checksum import checksum_fn, digest_for
+from .checksum import checksum_fn, digest_for, mismatch_hint
 from .ratelimit import DIRECTIONS, check_rate, format_rate
 
 __all__ = ["MemoryBackend"]
@@ -164,8 +164,9 @@ class MemoryBackend:
                         0,
                         len(buf),
                         errno.EBADMSG,
-                        f"Checksum {checksum} mismatch: expected {expect:#x}, got {got:#x}. "
-                        "Host memory was overwritten while the tensor was saved.",
+                        mismatch_hint(
+                            checksum, expect, got, "Host memory was overwritten while it was held."
+                        ),
                     )
                 )
         self._count(reads=1, bytes_read=len(buf))

@@ -36,6 +36,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
+from .._memory import address_of
 from ..config import Config, format_size
 from ..errors import StorageError, hint_for
 from ._native_engine import _Engine, _release_native, _Request
@@ -55,7 +56,7 @@ from ._native_lib import (
 )
 from .base import Extent, Span
 from .checksum import Digest, digest_for
-from .filebackend import SlabBackend, _address
+from .filebackend import SlabBackend
 from .slab import Slab
 
 __all__ = ["NativeBackend", "NativeUnavailable", "engine_status"]
@@ -70,7 +71,7 @@ def _region_of(buf: Any) -> tuple[int, int]:
             raise ValueError("tba.storage: register() needs a contiguous CPU tensor")
         return buf.data_ptr(), buf.numel() * buf.element_size()
     view = memoryview(buf)
-    return _address(view), view.nbytes
+    return address_of(view), view.nbytes
 
 
 class NativeBackend(SlabBackend):
