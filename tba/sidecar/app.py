@@ -39,7 +39,7 @@ from prometheus_client.exposition import choose_encoder
 
 from ..storage.spilldir import host_tag
 from . import endurance, views
-from ._log import event
+from ._log import event, loop_exception
 from .http import HttpServer, Request, Response
 from .janitor import Janitor
 from .node import NodeCollector
@@ -87,6 +87,7 @@ class Sidecar:
         It calls ``gc.freeze()`` first (rule 4): objects alive at that point are never collected.
         """
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(loop_exception)  # JSON, never a plain-text traceback
         stop = stop or asyncio.Event()
         # Rule 4: what is loaded now lives as long as the process; keep it out of the GC.
         gc.collect()

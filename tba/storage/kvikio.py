@@ -12,8 +12,9 @@ NOTE [kvikio]
    each slab gets one CuFile on that path. The flags are ``"r+"`` (O_RDWR): ``"w"`` would add
    O_CREAT|O_TRUNC and cut the preallocated slab to zero bytes. kvikio opens the file twice (plain,
    and O_DIRECT for cuFile), and those fds keep the inode alive: when the slab set closes an empty
-   slab to make room, its CuFile is closed too (after ``allocate``), or its blocks would never
-   return to the filesystem. CuFiles are keyed by the slab's display name, which is never reused,
+   slab (to make room, or to give it back to the node quota), its CuFile is closed too (the slab
+   set's ``on_release``, before the ledger records it), or its blocks would never return to the
+   filesystem. CuFiles are keyed by the slab's display name, which is never reused,
    so a recycled fd number cannot reach a stale CuFile.
 2. Transfers. ``pread``/``pwrite`` return an ``IOFuture`` whose ``get()`` gives the byte count or
    raises. They run on the shared :class:`SlabBackend` loop (NOTE [Transfers]). A short count is
@@ -137,6 +138,7 @@ class KvikioBackend(SlabBackend):
         self._kv_lock = threading.Lock()
         self._registered: dict[int, _CudaBytes] = {}
         super().__init__(cfg)  # runs self._probe()
+        self._slabs.on_release(self._close_released)  # NOTE [Slabs] 6 in slab.py
 
     # -- probe ------------------------------------------------------------------------------
     def _probe(self) -> tuple[tuple[int, int], int]:
@@ -301,11 +303,6 @@ class KvikioBackend(SlabBackend):
         return self._slabs.slab_for(extent, len(buf))  # any device address suits cuFile
 
     # -- the Backend protocol -----------------------------------------------------------------
-    def allocate(self, nbytes: int) -> Extent | None:
-        extent = super().allocate(nbytes)
-        self._close_released()
-        return extent
-
     def write(self, extent: Extent, buf: Any, checksum: str = "off", span: Span = None) -> Future:
         view = _device_view(buf)
         if view is None:

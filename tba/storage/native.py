@@ -111,6 +111,7 @@ class NativeBackend(SlabBackend):
             engine.close()
             raise
         engine.stats, engine.stats_lock = self._stats, self._stats_lock
+        self._slabs.on_release(self._forget_closed_slabs)  # NOTE [Slabs] 6 in slab.py
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
             self, _release_native, engine, self._pool, self._slabs, self._spill
@@ -196,12 +197,6 @@ class NativeBackend(SlabBackend):
         with self._handles_lock:
             for index in self._handles.keys() - self._slabs.slabs.keys():
                 self._engine.call("tba_engine_remove_file", self._handles.pop(index))
-
-    def allocate(self, nbytes: int) -> Extent | None:
-        extent = super().allocate(nbytes)
-        if self._handles.keys() - self._slabs.slabs.keys():  # allocate closed empty slabs
-            self._forget_closed_slabs()
-        return extent
 
     # -- the Backend protocol --------------------------------------------------------------
     def write(

@@ -19,9 +19,14 @@ NOTE [Slabs]
 5. A refusal records its cause as the kept reason the offloader counts (``last_refusal``):
    "quota" (TBA_MAX_DISK_BYTES), "disk_full" (the free-space floor, ENOSPC, EDQUOT),
    "node_quota", or, from the errno of a failed statvfs, open or fallocate,
-   ``errors.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
+   ``reasons.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
    "permission", "read_only" or "io_error"; ``refusal_detail`` says what refused, with the
    numbers or the errno, and the fix.
+6. Giving back (NOTE [Node quota] 6): when a free empties a slab, and once a second from the
+   ``tba-node-quota`` thread, a slab set holding empty slabs asks the ledger how much it holds
+   over its share while a rank below its share wants space, and closes that much of its empty
+   slabs (smallest first). Whoever closes slabs calls the backend's :meth:`SlabSet.on_release`
+   method (it forgets its engine handles or CuFiles for them) before the ledger records it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import logging
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Callable
 
 from ..errors import StorageError, hint_for, internal_error
@@ -50,6 +56,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # errno values meaning "fallocate is not supported here" (glibc's emulation may report EINVAL
 # on O_DIRECT files): fall back to a sparse ftruncate.
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_GIVE_BACK_SECONDS = 1.0  # rule 5: how often an idle slab set looks whether it owes space
 
 
 def open_unnamed(dir_fd: int, dir_path: str, direct: bool, tag: str) -> int:
@@ -133,9 +140,12 @@ class SlabSet:
         self.last_refusal = ""  # the kept reason of the last refusal (NOTE [Slabs] 5)
         self.refusal_detail = ""  # what refused, with the numbers or errno, and the fix
         self.node = node
+        self._on_release: weakref.WeakMethod | None = None
         self._next = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None  # rule 5, from the first slab on
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(
@@ -167,16 +177,60 @@ class SlabSet:
         space_room = st.f_bavail * st.f_frsize - self.min_free_bytes
         return quota_room, space_room
 
-    def _release_empty(self) -> bool:
-        """Close slabs with no live extent (their blocks go back to the filesystem)."""
-        empty = [s for s in self.slabs.values() if s.alloc.live_extents == 0]
-        for s in empty:
+    def _empty(self) -> list[Slab]:
+        return [s for s in self.slabs.values() if s.alloc.live_extents == 0]
+
+    def _release(self, slabs: list[Slab]) -> None:
+        """Close ``slabs`` (their blocks go back to the filesystem), then record it (rule 5)."""
+        for s in slabs:
             del self.slabs[s.index]
             self.reserved -= s.size
             os.close(s.fd)
-        if empty and self.node is not None:
+        on_release = self._on_release() if self._on_release is not None else None
+        if slabs and on_release is not None:
+            on_release()
+        if slabs and self.node is not None:
             self.node.set(self.reserved)  # after the close: the ledger never under-counts
+
+    def on_release(self, method: Callable[[], None]) -> None:
+        """Call ``method`` whenever slabs are closed, before the ledger records it (rule 5). A
+        bound method of the backend, held weakly: the backend owns this slab set, and a cycle
+        would keep a dropped backend (and its files) alive until a garbage collection."""
+        self._on_release = weakref.WeakMethod(method)
+
+    def _release_empty(self) -> bool:
+        """Close slabs with no live extent."""
+        empty = self._empty()
+        self._release(empty)
         return bool(empty)
+
+    def _give_back(self) -> None:
+        """Rule 5 (NOTE [Node quota] 6): close empty slabs worth what we hold over our share
+        while a rank below its share wants space. Lock held."""
+        empty = self._empty()
+        if not empty or self.node is None:
+            return
+        owe = self.node.excess(self.reserved)
+        closing = []
+        for s in sorted(empty, key=lambda s: s.size):
+            if owe <= 0:
+                break
+            closing.append(s)
+            owe -= s.size
+        if closing:
+            log.debug("tba.storage: giving back %d empty slabs to the node quota", len(closing))
+            self._release(closing)
+
+    def _watch(self) -> None:
+        """Rule 5, for a process that holds empty slabs and frees nothing more."""
+        while not self._stop.wait(_GIVE_BACK_SECONDS):
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._give_back()
+            except Exception as e:  # never let the thread die with a traceback; retry later
+                log.warning("tba.storage: giving back space to the node quota failed: %s", e)
 
     def _grow(
         self,
@@ -258,6 +312,9 @@ class SlabSet:
         slab = Slab(index, fd, size, ExtentAllocator(size, a), display)
         self.slabs[index] = slab
         self.reserved += size
+        if self.node is not None and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="tba-node-quota", daemon=True)
+            self._watcher.start()
         log.debug("tba.storage: new slab %s of %d bytes", display, size)
         return slab
 
@@ -285,6 +342,8 @@ class SlabSet:
                     "double free, or an extent of another backend",
                 )
             slab.alloc.free(extent.offset)
+            if slab.alloc.live_extents == 0 and self.node is not None:
+                self._give_back()  # rule 5
 
     def slab_for(self, extent: Extent, nbytes: int) -> Slab:
         """The slab of a live extent; ValueError if ``extent`` is not allocated or too small."""
@@ -311,6 +370,7 @@ class SlabSet:
         return sum(s.alloc.used for s in list(self.slabs.values()))
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             for s in self.slabs.values():
@@ -319,3 +379,6 @@ class SlabSet:
             self.reserved = 0
             if self.node is not None:
                 self.node.close()  # after the slabs: the ledger never under-counts
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(5)  # it sees _stop at once; not from itself (a finalizer run by GC)

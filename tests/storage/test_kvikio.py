@@ -29,6 +29,7 @@ import tba.storage.kvikio as kv_mod
 from tba.errors import StorageError
 from tba.storage import Backend
 from tba.storage.kvikio import KvikioBackend, KvikioUnavailable, kvikio_status
+from tba.storage.posix import PosixBackend
 
 NO_DRIVER = RuntimeError(
     "cuda_driver: Cannot load shared library libcuda.so.1: libcuda.so.1: cannot open shared "
@@ -552,6 +553,21 @@ def test_register_refused_by_cufile_is_false(open_kv, fake_cuda):
     assert b.register(FakeDeviceBuffer(4096)) is False
     b.close()
     assert fake.deregistered == []
+
+
+def test_a_slab_given_back_to_the_node_quota_closes_its_cufile(open_kv, make_cfg):
+    """NOTE [Slabs] 5: a free that empties a slab owed to another rank closes its CuFile too."""
+    b, fake = open_kv(node_max_disk_bytes="2MiB")
+    held = [b.allocate(1 << 20), b.allocate(1 << 20)]
+    for ext in held:
+        b.write(ext, filled(ext.length)).result()
+    files = fake.files[-2:]
+    with PosixBackend(make_cfg(node_max_disk_bytes="2MiB")) as other:
+        assert other.allocate(1 << 20) is None  # refused below its share: it wants space
+        for ext in held:
+            b.free(ext)
+        assert b.usage()["slabs"] == 1 and [f.closed for f in files].count(True) == 1
+        assert other.allocate(1 << 20) is not None
 
 
 def test_dropped_backend_releases_its_files(make_cfg, no_cuda):

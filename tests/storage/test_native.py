@@ -667,6 +667,31 @@ def test_closed_slabs_leave_the_engine(native):
     assert info["files_registered"] + info["files_plain"] == 1
 
 
+@needs_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_slabs_given_back_to_the_node_quota_leave_the_engine(make_cfg, mode):
+    """NOTE [Slabs] 5: a free that empties a slab owed to another rank closes it, and its
+    engine file goes with it (before the ledger says so), or its blocks would stay allocated."""
+    cfg = make_cfg(io_depth=16, node_max_disk_bytes="2MiB")
+    a = open_native(cfg, mode)
+    try:
+        with PosixBackend(cfg) as other:
+            held = [a.allocate(MIB), a.allocate(MIB)]
+            for ext in held:
+                a.write(ext, filled(MIB)).result()  # each slab gets its engine file
+            assert other.allocate(MIB) is None  # refused below its share: it wants space
+            info = a.engine_info()
+            assert info["files_registered"] + info["files_plain"] == 2
+            for ext in held:
+                a.free(ext)  # the first free gives one slab back: a keeps its share
+            assert a.usage()["slabs"] == 1
+            info = a.engine_info()
+            assert info["files_registered"] + info["files_plain"] == 1
+            assert other.allocate(MIB) is not None
+    finally:
+        a.close()
+
+
 # -- checksums -------------------------------------------------------------------------------
 @needs_engine
 def test_crc32_over_native(native):
