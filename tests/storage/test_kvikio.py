@@ -556,7 +556,7 @@ def test_register_refused_by_cufile_is_false(open_kv, fake_cuda):
 
 
 def test_a_slab_given_back_to_the_node_quota_closes_its_cufile(open_kv, make_cfg):
-    """NOTE [Slabs] 5: a free that empties a slab owed to another rank closes its CuFile too."""
+    """NOTE [Slabs] 6: a free that empties a slab owed to another rank closes its CuFile too."""
     b, fake = open_kv(node_max_disk_bytes="2MiB")
     held = [b.allocate(1 << 20), b.allocate(1 << 20)]
     for ext in held:

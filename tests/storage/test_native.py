@@ -670,7 +670,7 @@ def test_closed_slabs_leave_the_engine(native):
 @needs_engine
 @pytest.mark.parametrize("mode", MODES)
 def test_slabs_given_back_to_the_node_quota_leave_the_engine(make_cfg, mode):
-    """NOTE [Slabs] 5: a free that empties a slab owed to another rank closes it, and its
+    """NOTE [Slabs] 6: a free that empties a slab owed to another rank closes it, and its
     engine file goes with it (before the ledger says so), or its blocks would stay allocated."""
     cfg = make_cfg(io_depth=16, node_max_disk_bytes="2MiB")
     a = open_native(cfg, mode)
