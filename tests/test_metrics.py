@@ -101,6 +101,7 @@ def run_steps(off, model, steps: int, batch: int = 4) -> list[dict]:
         with off.step(model):
             loss = model(x, y)
         loss.backward()
+        off.synchronize()  # its last writes are counted once they land (NOTE [Counted once])
         got.append(off.stats())
     return got
 
@@ -239,6 +240,8 @@ def test_two_offloaders_of_one_process_share_the_series(tmp_path, model, mdir):
             la = model(x, y)
         with b.step(model):
             lb = model(x, y)
+        a.synchronize()  # writes are counted once they land (NOTE [Counted once])
+        b.synchronize()
         samples = scrape(mdir)
         both = a.stats()["bytes_offloaded"] + b.stats()["bytes_offloaded"]
         assert value(scrape(mdir), "tba_bytes_offloaded_total", rank="2") == both
