@@ -3,10 +3,11 @@
 Independent of the rest of tba (no import of it): each layer shrinks what reaches autograd's
 saved-tensor hooks, so it cuts memory with or without an offloader, and SSD traffic with one.
 
-Exact gradients: ``TempoGELU`` (saves y + 1 bit), ``TempoLayerNorm`` (saves y, rstd, gamma,
-beta), ``softmax_dropout_matmul`` (saves P, a 1-bit mask, V), ``MSLayerNorm``/``MSRMSNorm``
-(save rstd; need ``merge_norm_affine``). Approximate gradients, by design: ``ReGELU2`` and
-``ReSiLU2`` (2 bits per element). ``convert`` swaps them into an existing model.
+Exact gradients: ``TempoGELU`` (erf or tanh form) and ``TempoSiLU`` (save y + 1 bit),
+``TempoLayerNorm`` (saves y, rstd, gamma, beta), ``softmax_dropout_matmul`` (saves P, a 1-bit
+mask, V), ``MSLayerNorm``/``MSRMSNorm`` (save rstd; need ``merge_norm_affine``). Approximate
+gradients, by design: ``ReGELU2`` and ``ReSiLU2`` (2 bits per element). ``convert`` swaps them
+into an existing model.
 """
 
 from ._approx import (
@@ -28,7 +29,18 @@ from ._errors import (
     LayerTypeError,
     NormMergeError,
 )
-from ._gelu import GELU_X_MIN, GELU_Y_MIN, TempoGELU, tempo_gelu
+from ._gelu import (
+    GELU_TANH_X_MIN,
+    GELU_TANH_Y_MIN,
+    GELU_X_MIN,
+    GELU_Y_MIN,
+    SILU_X_MIN,
+    SILU_Y_MIN,
+    TempoGELU,
+    TempoSiLU,
+    tempo_gelu,
+    tempo_silu,
+)
 from ._layernorm import DEFAULT_GAMMA_EPS, TempoLayerNorm
 from ._merge import NORM_CONSUMERS, MergeReport, merge_norm_affine
 from ._msnorm import MSLayerNorm, MSRMSNorm, ms_layer_norm, ms_rms_norm
@@ -39,6 +51,12 @@ __all__ = [
     "tempo_gelu",
     "GELU_X_MIN",
     "GELU_Y_MIN",
+    "GELU_TANH_X_MIN",
+    "GELU_TANH_Y_MIN",
+    "TempoSiLU",
+    "tempo_silu",
+    "SILU_X_MIN",
+    "SILU_Y_MIN",
     "TempoLayerNorm",
     "DEFAULT_GAMMA_EPS",
     "softmax_dropout_matmul",
