@@ -4,10 +4,10 @@ Independent of the rest of tba (no import of it): each layer shrinks what reache
 saved-tensor hooks, so it cuts memory with or without an offloader, and SSD traffic with one.
 
 Exact gradients: ``TempoGELU`` (erf or tanh form) and ``TempoSiLU`` (save y + 1 bit),
-``TempoLayerNorm`` (saves y, rstd, gamma, beta), ``softmax_dropout_matmul`` (saves P, a 1-bit
-mask, V), ``MSLayerNorm``/``MSRMSNorm`` (save rstd; need ``merge_norm_affine``). Approximate
-gradients, by design: ``ReGELU2`` and ``ReSiLU2`` (2 bits per element). ``convert`` swaps them
-into an existing model.
+``TempoLayerNorm`` (saves y, rstd, gamma, beta), ``TempoRMSNorm`` (y, rstd, gamma),
+``softmax_dropout_matmul`` (saves P, a 1-bit mask, V), ``MSLayerNorm``/``MSRMSNorm`` (save rstd;
+need ``merge_norm_affine``). Approximate gradients, by design: ``ReGELU2`` and ``ReSiLU2`` (2 bits
+per element). ``convert`` swaps them into an existing model.
 """
 
 from ._approx import (
@@ -45,6 +45,7 @@ from ._layernorm import DEFAULT_GAMMA_EPS, TempoLayerNorm
 from ._merge import NORM_CONSUMERS, MergeReport, merge_norm_affine
 from ._msnorm import MSLayerNorm, MSRMSNorm, ms_layer_norm, ms_rms_norm
 from ._packing import pack_2bit, pack_bits, packed_nbytes, unpack_2bit, unpack_bits
+from ._rmsnorm import TempoRMSNorm
 
 __all__ = [
     "TempoGELU",
@@ -59,6 +60,7 @@ __all__ = [
     "SILU_Y_MIN",
     "TempoLayerNorm",
     "DEFAULT_GAMMA_EPS",
+    "TempoRMSNorm",
     "softmax_dropout_matmul",
     "ReGELU2",
     "ReSiLU2",
