@@ -7,7 +7,8 @@ Exact gradients: ``TempoGELU`` (erf or tanh form) and ``TempoSiLU`` (save y + 1 
 ``TempoLayerNorm`` (saves y, rstd, gamma, beta), ``TempoRMSNorm`` (y, rstd, gamma),
 ``softmax_dropout_matmul`` (saves P, a 1-bit mask, V), ``MSLayerNorm``/``MSRMSNorm`` (save rstd;
 need ``merge_norm_affine``). Approximate gradients, by design: ``ReGELU2`` and ``ReSiLU2`` (2 bits
-per element). ``convert`` swaps them into an existing model.
+per element). ``convert`` swaps them into an existing model, Hugging Face models included, and
+``convert(model, preset="exact" | "approx")`` applies a whole recipe.
 """
 
 from ._approx import (
@@ -45,6 +46,7 @@ from ._layernorm import DEFAULT_GAMMA_EPS, TempoLayerNorm
 from ._merge import NORM_CONSUMERS, MergeReport, merge_norm_affine
 from ._msnorm import MSLayerNorm, MSRMSNorm, ms_layer_norm, ms_rms_norm
 from ._packing import pack_2bit, pack_bits, packed_nbytes, unpack_2bit, unpack_bits
+from ._presets import FAMILIES, PRESETS
 from ._rmsnorm import TempoRMSNorm
 
 __all__ = [
@@ -82,6 +84,8 @@ __all__ = [
     "GELU_OPTIONS",
     "SILU_OPTIONS",
     "NORM_OPTIONS",
+    "PRESETS",
+    "FAMILIES",
     "pack_bits",
     "unpack_bits",
     "pack_2bit",
