@@ -135,3 +135,20 @@ def test_family_presets_check_the_model_type():
         r"model's is 'gpt2'\. Use preset='approx'",
     ):
         L.convert(build("gpt2"), preset="llama-approx")
+
+
+def test_new_gelu_activation_keeps_four_tensors_and_tempo_keeps_a_bit():
+    """README: HF's NewGELUActivation (a Python formula) keeps 4 n b bytes; TempoGELU("tanh")
+    keeps y, which the next Linear keeps anyway, and ceil(n / 8) bytes of branch bits."""
+    from transformers.activations import NewGELUActivation
+
+    from ._support import saved_bytes
+
+    tokens, width = 24, 40
+    lin = torch.nn.Linear(width, 8)
+    x = torch.randn(tokens, width, requires_grad=True)
+    n = tokens * width
+    assert saved_bytes(lambda: NewGELUActivation()(x)) == 4 * n * 4
+    stock = saved_bytes(lambda: lin(NewGELUActivation()(x)), list(lin.parameters()))
+    lean = saved_bytes(lambda: lin(L.TempoGELU("tanh")(x)), list(lin.parameters()))
+    assert stock - lean == 4 * n * 4 - -(-n // 8)
