@@ -207,11 +207,11 @@ def test_pattern_without_linears_and_empty_mapping():
     model = nn.Module()
     model.ln_1 = nn.LayerNorm(8)
     model.attn = nn.Module()
-    model.attn.c_attn = nn.Conv1d(8, 8, 1)  # e.g. HF GPT-2's Conv1D is not an nn.Linear
+    model.attn.c_attn = nn.Conv1d(8, 8, 1)  # torch's Conv1d (not HF's Conv1D) is not Linear
     with pytest.raises(
         L.NormMergeError,
-        match=r"fed by 'ln_1' \(LayerNorm\): no candidate exists as nn.Linear \(tried attn.c_attn; "
-        r"attn.qkv; attn.q_proj\+attn.k_proj\+attn.v_proj; qkv\)",
+        match=r"fed by 'ln_1' \(LayerNorm\): no candidate exists as nn.Linear or HF Conv1D "
+        r"\(tried attn.c_attn; attn.qkv; attn.q_proj\+attn.k_proj\+attn.v_proj; qkv\)",
     ):
         L.merge_norm_affine(model)
     with pytest.raises(L.NormMergeError, match=r"'ln_1' \(LayerNorm\): mapping= lists no Linears"):
@@ -254,3 +254,101 @@ def test_rms_class_without_eps_is_refused():
     with pytest.raises(L.NormMergeError, match=r"NoEps has neither 'eps' nor 'variance_epsilon'"):
         L.merge_norm_affine(model, rms_norm_types=(NoEps,))
     assert torch.equal(model.lm_head.weight, weight)  # refused before changing anything
+
+
+def test_skip_tied_leaves_that_norm_and_merges_the_rest():
+    model = LlamaLike(tie=True)
+    randomize_norms(model)
+    original = copy.deepcopy(model)
+    report = L.merge_norm_affine(model, skip_tied=True, example_inputs=IDX)
+    assert report.skipped == {
+        "model.norm": "lm_head.weight is shared with model.embed_tokens.weight; folding gamma "
+        "into it would change both"
+    }
+    assert len(report.merged) == 4 and report.verified
+    assert isinstance(model.model.norm, nn.RMSNorm)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert outputs_match(model, original)
+
+
+class Aliased(nn.Module):
+    """One Linear registered under two names: one holder of its weight, not a tie."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(8)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(8, 8)
+        self.alias = self.attn.qkv
+
+    def forward(self, x):
+        return self.attn.qkv(self.ln1(x))
+
+
+def test_a_module_registered_twice_is_folded_once():
+    model = Aliased()
+    randomize_norms(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = model(x)
+    report = L.merge_norm_affine(model, example_inputs=x)
+    assert report.merged == {"ln1": ["attn.qkv"]} and report.verified and not report.untied
+    assert model.alias is model.attn.qkv
+    with torch.no_grad():
+        assert torch.allclose(model(x), before, atol=1e-6)
+
+
+def test_two_consumers_sharing_one_weight_are_refused():
+    model = Custom()
+    model.b.weight = model.a.weight  # folding gamma into both would apply it twice
+    with pytest.raises(
+        L.NormMergeError,
+        match=r"merge_norm_affine: a.weight is shared with b.weight; folding gamma into it would "
+        r"change those too\. Pass untie=True to give 'a' its own copy, skip_tied=True",
+    ):
+        L.merge_norm_affine(model, {"pre": ["a", "b"]})
+    report = L.merge_norm_affine(model, {"pre": ["a", "b"]}, untie=True)
+    assert report.untied == ["a.weight", "b.weight"]
+    assert model.a.weight is not model.b.weight
+
+
+def test_flow_failure_with_skip_unknown_skips_only_that_norm():
+    model = LlamaLike()
+    randomize_norms(model)
+    original = copy.deepcopy(model)
+    wrong = {"model.layers.0.input_layernorm": ["model.layers.0.self_attn.o_proj"]}
+    report = L.merge_norm_affine(model, wrong, skip_unknown=True, example_inputs=IDX)
+    assert report.skipped == {
+        "model.layers.0.input_layernorm": "tba.layers.merge_norm_affine: "
+        "'model.layers.0.self_attn.o_proj' received a tensor that is not its output (checked with "
+        "example_inputs), so it is not a consumer of 'model.layers.0.input_layernorm'. Fix "
+        "mapping= for 'model.layers.0.input_layernorm' or leave it out with skip_unknown=True."
+    }
+    assert len(report.merged) == 4 and report.verified
+    assert outputs_match(model, original)
+
+
+class OnePlusWeightNorm(nn.Module):
+    """Gemma's (1 + weight) RMSNorm: recognised by behaviour, gamma = 1 + weight."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def test_one_plus_weight_norms_are_recognised_and_folded_with_gamma_plus_one():
+    model = LlamaLike(norm=OnePlusWeightNorm)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, OnePlusWeightNorm):
+                m.weight.uniform_(-0.5, 0.5)
+    original = copy.deepcopy(model)
+    report = L.merge_norm_affine(model, example_inputs=IDX)
+    assert len(report.merged) == 5 and set(report.replaced.values()) == {"MSRMSNorm"}
+    assert model.model.norm.eps == 1e-6
+    assert outputs_match(model, original)
