@@ -27,9 +27,9 @@ Folding writes gamma into a consumer's weight, so a weight held by another modul
 tied to the embedding, two Linears given one Parameter) would change that module as well. Such a
 norm is refused with ``NormMergeError``; ``skip_tied=True`` leaves it as is instead (reported in
 ``skipped``), and ``untie=True`` gives the consumer its own copy (the tie is broken for good).
-One module registered under two names is one holder, not a tie. Norms are recognised as in
-NOTE [Recognition by behaviour] (``_detect``); gamma is ``offset + weight`` (1 + weight for
-Gemma).
+One module registered under two names is one holder, not a tie. Norms are recognised as
+in NOTE [Recognition by behaviour] (``_detect``); gamma is ``offset + weight`` (1 + weight
+for Gemma).
 """
 
 from __future__ import annotations
