@@ -164,6 +164,7 @@ class NodeQuota:
         self.rank = rank
         self.bytes = 0
         self.refusals = 0
+        self.failure: OSError | TBAError | None = None  # why the last grow() could not ask
         self._closed = False
         try:
             with self._locked() as (_, entries):
@@ -209,7 +210,10 @@ class NodeQuota:
     def grow(self, have: int, need: int, want: int, align: int) -> int:
         """Reserve more room on top of ``have`` (this backend's slab bytes): ``want`` bytes, or
         less but at least ``need`` (a multiple of ``align``). Returns the bytes granted and
-        records ``have`` + them, or 0 when the node lacks ``need`` (counted in ``refusals``)."""
+        records ``have`` + them, or 0 when the node lacks ``need`` (counted in ``refusals``)
+        or when the ledger itself failed (``failure`` says why: the filesystem's fault, not
+        the quota's)."""
+        self.failure = None
         try:
             with self._locked() as (_, entries):
                 others = sum(e["bytes"] for e in entries if e["dir"] != self.name)
@@ -218,7 +222,8 @@ class NodeQuota:
                 self._put(entries, have + grant)
         except (OSError, TBAError) as e:  # allocate never raises: refuse instead
             log.warning("tba.storage: node quota ledger %s: %s; not growing", self.shown, e)
-            grant = 0
+            self.failure = e
+            return 0
         if grant == 0:
             self.refusals += 1
             log.debug(
