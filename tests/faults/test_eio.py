@@ -51,7 +51,9 @@ def test_bytes_on_disk_at_a_shutdown_raise_a_storage_error(loop_ext4, offloaders
         off.synchronize()  # every write done, no read started yet
         assert off.backend.usage()["bytes_written"] > 0
         fs.shutdown()
-    with pytest.raises(tba.StorageError, match=r"read of \d+ bytes at offset \d+ in .*EIO") as e:
+    with pytest.raises(
+        tba.StorageError, match=r"read of \d+ bytes at offset \d+ in .*/slab-\d+ .*EIO"
+    ) as e:
         loss.backward()
     assert e.value.errno == errno.EIO
     del loss

@@ -39,7 +39,7 @@ def test_read_only_remount_mid_run(loop_ext4, offloaders, backend, caplog):
     assert_exact(model, want)
     assert st["tensors_offloaded"] == 0 and set(st["kept_reasons"]) == {"read_only"}, st
     text = warnings_text(caplog)
-    assert "(read_only)" in text and "EROFS" in text, text
+    assert "(read_only)" in text and "EROFS" in text and "remount it read-write" in text, text
     remount(fs, "rw")
     st = train_step(off, model, x)
     assert_exact(model, want)
