@@ -91,6 +91,8 @@ def hint_for(err: int) -> str:
         return "The device reported an I/O error: check dmesg and the drive's health."
     if err in (_errno.EACCES, _errno.EPERM):
         return "Check the permissions of TBA_SPILL_DIR."
+    if err == _errno.EROFS:
+        return "The spill filesystem is read-only: remount it read-write, or move TBA_SPILL_DIR."
     if err in (_errno.ENOENT, _errno.ENOTDIR, _errno.ESTALE):
         return (
             "The spill directory was removed while tba ran: do not clean TBA_SPILL_DIR under a "

@@ -17,6 +17,8 @@ import torch
 
 import tba
 
+from .faults.util import flip_spill_bytes
+
 MiB = 1 << 20
 
 
@@ -113,25 +115,6 @@ def test_finding2_edit_of_a_dropped_tensor_raises_like_stock(offloaders, timing,
     loss = inplace_case(off, numel, settle_in_forward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-
-
-def flip_spill_bytes(spill_path: str, nbytes: int) -> int:
-    """XOR the first ``nbytes`` of every slab file of ``spill_path`` (through /proc/self/fd,
-    as any process with access to the files could); returns how many files were changed."""
-    changed = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if not target.startswith(spill_path + "/") or not os.path.isfile(f"/proc/self/fd/{fd}"):
-            continue
-        with open(f"/proc/self/fd/{fd}", "r+b", buffering=0) as f:
-            data = bytearray(f.read(nbytes))
-            f.seek(0)
-            f.write(bytes(b ^ 0xFF for b in data))
-        changed += 1
-    return changed
 
 
 def test_finding3_checksums_are_on_by_default_and_catch_a_flipped_byte(offloaders):

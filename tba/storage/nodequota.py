@@ -217,6 +217,7 @@ class NodeQuota:
         self.bytes = 0
         self.refusals = 0
         self.wants = 0.0  # unix time of our last refusal (NOTE 6)
+        self.failure: OSError | TBAError | None = None  # why the last grow() could not ask
         self._closed = False
         try:
             with self._locked() as (_, entries):
@@ -280,7 +281,9 @@ class NodeQuota:
         """Reserve more room on top of ``have`` (this backend's slab bytes): ``want`` bytes, or
         less but at least ``need`` (a multiple of ``align``). Returns the bytes granted and
         records ``have`` + them, or 0 when the node lacks ``need`` or the free room is owed to
-        others (NOTE 6); a refusal is counted in ``refusals`` and recorded in ``wants``."""
+        others (NOTE 6; counted in ``refusals`` and recorded in ``wants``), or when the ledger
+        itself failed (``failure`` says why: the filesystem's fault, not the quota's)."""
+        self.failure = None
         try:
             with self._locked() as (_, entries):
                 now = time.time()
@@ -295,7 +298,8 @@ class NodeQuota:
                 self._put(entries, have + grant)
         except (OSError, TBAError) as e:  # allocate never raises: refuse instead
             log.warning("tba.storage: node quota ledger %s: %s; not growing", self.shown, e)
-            grant = 0
+            self.failure = e
+            return 0
         if grant == 0:
             self.refusals += 1
             log.debug(

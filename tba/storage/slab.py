@@ -18,8 +18,8 @@ NOTE [Slabs]
    (growth before the fallocate, release after the close) is recorded in the ledger.
 5. A refusal records its cause as the kept reason the offloader counts (``last_refusal``):
    "quota" (TBA_MAX_DISK_BYTES), "disk_full" (the free-space floor, ENOSPC, EDQUOT),
-   "node_quota", or, from the errno of a failed statvfs, open or fallocate,
-   ``reasons.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
+   "node_quota", or, from the errno of a failed statvfs, open, fallocate or node ledger
+   update, ``reasons.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
    "permission", "read_only" or "io_error"; ``refusal_detail`` says what refused, with the
    numbers or the errno, and the fix.
 6. Giving back (NOTE [Node quota] 6): when a free empties a slab, and once a second from the
@@ -272,8 +272,17 @@ class SlabSet:
         size = min(size, space_room // a * a)
         if self.node is not None:
             granted = self.node.grow(self.reserved, need, size, a)
-            if not granted and self._release_empty():
+            if not granted and self.node.failure is None and self._release_empty():
                 granted = self.node.grow(self.reserved, need, size, a)
+            failure = self.node.failure
+            if not granted and isinstance(failure, OSError):  # the ledger's filesystem failed
+                code = failure.errno or errno.EIO
+                if code in _NO_SPACE:
+                    self.refused_space += 1
+                else:
+                    self.refused_error += 1
+                err = StorageError("update", self.node.shown, 0, 0, code, hint_for(code))
+                return self._refuse(kept_reason_for(code), str(err))
             if not granted:
                 self.refused_node += 1
                 return self._refuse(

@@ -179,7 +179,8 @@ def test_auto_with_nothing_working_names_each_failure(make_cfg, monkeypatch):
         ConfigError,
         match=r"no storage backend works in .*/spill: native probe failed \(.*EROFS.*\); "
         r"posix probe failed \(open of 0 bytes .* "
-        r"EROFS \(Read-only file system\)\); buffered probe failed \(open .*EROFS.*\)\. Point "
+        r"EROFS \(Read-only file system\)\. The spill filesystem is read-only: remount it "
+        r"read-write, or move TBA_SPILL_DIR\); buffered probe failed \(open .*EROFS.*\)\. Point "
         r"TBA_SPILL_DIR at a writable local disk, or use TBA_BACKEND=memory",
     ):
         open_backend(make_cfg(backend="auto"))
