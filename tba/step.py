@@ -259,6 +259,7 @@ class StepState:
             kept_groups=self.kept_groups,
             coalesced_tensors=self.coalesced_tensors,
             coalesced_writes=self.coalesced_writes,
+            tensors_in_flight=self.unsettled,
             forward_seconds=self.forward_seconds,
         )
         return out

@@ -176,6 +176,7 @@ def test_two_graphs_alive_at_once_are_each_counted_whole(make_offloader, model, 
     with off.step(model):
         second = model(x[:2], y[:2])
     st2 = off._last
+    off.synchronize()  # written, so backward reads both steps back from disk
     (first + second).backward()
     off.synchronize()
     del first, second
