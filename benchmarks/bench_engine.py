@@ -8,6 +8,8 @@ Modes, for each extent size (16 MiB and 64 KiB by default) and each repeat, inte
 - ``posix``, ``native`` (when built): the tba backends, every extent of the pass submitted at
   once (as the offloader keeps many writes in flight), then all futures awaited; the source
   and destination pool is registered with native (as the offloader registers its staging);
+- ``posix+<checksum>``, ``native+<checksum>`` (with ``--checksum``): the same passes with the
+  checksum computed on every write and verified on every read;
 - ``posix+coalesce``, ``native+coalesce`` (64 KiB only): 64 KiB *tensors* as the offloader
   handles them with coalescing on: each is copied into a slot of a 4 MiB batch (the staging
   copy, the only one) and each full batch is written with one request; reads fetch whole
@@ -82,15 +84,23 @@ def run_reference(fd: int, pool: memoryview, size: int, count: int, write: bool)
             done += k
 
 
-def run_backend(backend, extents, pool: memoryview, size: int, write: bool) -> None:
+def run_backend(
+    backend, extents, pool: memoryview, size: int, write: bool, checksum="off", digests=None
+) -> None:
+    """One pass over ``extents``; with a ``checksum``, writes record each extent's digest in
+    ``digests`` and reads verify it, as the offloader does."""
     slots = len(pool) // size
     futs = []
     for i, ext in enumerate(extents):
         j = (i % slots) * size
         view = pool[j : j + size]
-        futs.append(backend.write(ext, view) if write else backend.read(ext, view))
-    for f in futs:
-        f.result()
+        if write:
+            futs.append(backend.write(ext, view, checksum))
+        else:
+            futs.append(backend.read(ext, view, checksum, digests[i] if digests else None))
+    got = [f.result() for f in futs]
+    if write and digests is not None:
+        digests[:] = got
 
 
 class Coalesced:
@@ -208,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="io_threads of posix")
     ap.add_argument("--depth", type=int, default=32, help="io_depth of native; fio's iodepth")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--checksum",
+        default="",
+        help="also run each backend with this TBA_CHECKSUM (e.g. auto), as mode <backend>+<name>",
+    )
     args = ap.parse_args(argv)
     total = parse_size(args.total)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -244,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             extents = {n: [b.allocate(size) for _ in range(count)] for n, b in backends.items()}
             coalesced = {}
             modes = list(base_modes)
+            if args.checksum:
+                modes += [f"{n}+{args.checksum}" for n in backends]
+            digests = {n: [] for n in backends}
             if size == TENSOR:
                 coalesced = {n: Coalesced(b, total, pool_t) for n, b in backends.items()}
                 modes += [f"{n}+coalesce" for n in coalesced]
@@ -270,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                             elif mode.endswith("+coalesce"):
                                 c = coalesced[mode.split("+")[0]]
                                 fn = c.write if write else c.read
+                            elif "+" in mode:  # a backend with the checksum on
+                                n = mode.split("+")[0]
+                                b, ext = backends[n], extents[n]
+                                fn = partial(
+                                    run_backend, b, ext, pool, size, write, args.checksum,
+                                    digests[n],
+                                )  # fmt: skip
                             else:
                                 b, ext = backends[mode], extents[mode]
                                 fn = partial(run_backend, b, ext, pool, size, write)

@@ -7,12 +7,13 @@ turn), since disk and CPU speed drift over minutes; the figures are medians over
     python benchmarks/bench_step.py [--repeats 5] [--spill-dir /var/tmp] [--json out.json]
     python benchmarks/bench_step.py --backends native,posix   # one tba mode per backend
     python benchmarks/bench_step.py --max-bps 100MB/s --keeps auto,0  # one mode per keep-K
+    python benchmarks/bench_step.py --checksums auto,off  # the checksum's cost
 
-With ``--backends`` (or ``--keeps``), each value gets its own Offloader and its own interleaved
-mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``), and the report adds
-the ratio of the first two. ``--max-bps`` caps both directions (TBA_MAX_WRITE_BPS/READ_BPS) to
-emulate a slower disk. ``--io-load`` adds a mode "none+io": the no-offload step while a
-background loop writes and reads at the rates the first tba mode moved in its previous step
+With ``--backends`` (or ``--keeps``, ``--checksums``), each value gets its own Offloader and
+its own interleaved mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``;
+``tba:checksum=auto``), and the report adds the ratio of the first two. ``--max-bps`` caps
+both directions (TBA_MAX_WRITE_BPS/READ_BPS) to emulate a slower disk. ``--io-load`` adds a
+mode "none+io": the no-offload step while a background loop writes and reads at the rates the first tba mode moved in its previous step
 (benchmarks/_ioload.py), to separate what the disk traffic itself costs compute here from what
 tba adds.
 """
@@ -50,6 +51,8 @@ def one_step(model, batch, mode, off):
         loss = model(*batch)
     loss.backward()
     dt = time.perf_counter() - t0
+    if off is not None and mode.startswith("tba"):
+        off.synchronize()  # outside the time: the last writes are counted once they land
     return dt, (off.stats() if mode.startswith("tba") else None), loss.item()
 
 
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--backends", default="", help="e.g. native,posix: one tba mode per backend")
     ap.add_argument("--keeps", default="", help="e.g. auto,0: one tba mode per TBA_KEEP_LAST")
+    ap.add_argument("--checksums", default="", help="e.g. auto,off: one tba mode per TBA_CHECKSUM")
     ap.add_argument("--max-bps", default=None, help="cap on spill write and read, e.g. 100MB/s")
     ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpointing mode")
     ap.add_argument(
@@ -75,6 +79,8 @@ def main(argv=None) -> int:
         variants[f"tba:{b}"] = {"backend": b}
     for k in (k for k in args.keeps.split(",") if k):
         variants[f"tba:keep={k}"] = {"keep_last": k}
+    for c in (c for c in args.checksums.split(",") if c):
+        variants[f"tba:checksum={c}"] = {"checksum": c}
     if not variants:
         variants["tba"] = {}
     if args.max_bps:
