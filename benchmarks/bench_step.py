@@ -13,9 +13,9 @@ With ``--backends`` (or ``--keeps``, ``--checksums``), each value gets its own O
 its own interleaved mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``;
 ``tba:checksum=auto``), and the report adds the ratio of the first two. ``--max-bps`` caps
 both directions (TBA_MAX_WRITE_BPS/READ_BPS) to emulate a slower disk. ``--io-load`` adds a
-mode "none+io": the no-offload step while a background loop writes and reads at the rates the first tba mode moved in its previous step
-(benchmarks/_ioload.py), to separate what the disk traffic itself costs compute here from what
-tba adds.
+mode "none+io": the no-offload step while a background loop writes and reads at the rates
+the first tba mode moved in its previous step (benchmarks/_ioload.py), to separate what the
+disk traffic itself costs compute here from what tba adds.
 """
 
 from __future__ import annotations
