@@ -53,7 +53,8 @@ class Fetched:
         self.layer = layer
         self.nbytes = nbytes
         self.host = host  # SSD tier: the host buffer read from disk (also the update's master)
-        self.state: tuple[torch.Tensor, Future] | None = None  # SSD tier, backward: opt state
+        # SSD tier: the optimizer state's buffer, its read, and the bytes held for it
+        self.state: tuple[torch.Tensor, Future, int] | None = None
         self._future = future
         self._device = device
         self._buf: torch.Tensor | None = None
@@ -74,6 +75,9 @@ class Fetched:
         if self._held:
             self._held = False
             self._meter.drop("weights", self.nbytes)
+        if self.state is not None:  # read and never used: the step failed
+            self._meter.drop("state", self.state[2])
+            self.state = None
         self._buf = None
         self.host = None
 
@@ -150,11 +154,16 @@ class EPS:
     def fetch(self, index: int, backward: bool) -> Fetched:
         raise NotImplementedError
 
+    def prepare_update(self, fetched: Fetched) -> None:
+        """Layer ``fetched.layer``'s backward starts: get ready for its update (SSD tier: read
+        its optimizer state while the layer computes)."""
+
     def update(self, index: int, grads: list[torch.Tensor | None], fetched: Fetched) -> None:
         raise NotImplementedError
 
-    def values(self, index: int) -> list[torch.Tensor]:
-        """Layer ``index``'s current weights, in host memory (layout order)."""
+    def values(self, index: int, copy: bool = True) -> list[torch.Tensor]:
+        """Layer ``index``'s current weights, in host memory (layout order). ``copy=False``
+        may return the EPS's own tensors (for ``close(restore=True)``)."""
         raise NotImplementedError
 
     def host_bytes(self) -> int:
@@ -214,8 +223,8 @@ class HostEPS(EPS):
         if entry.optimizer is not None:
             self._step(entry, grads)
 
-    def values(self, index):
-        return [v.detach().clone() for v in self._values[index]]
+    def values(self, index, copy=True):
+        return [v.detach().clone() if copy else v for v in self._values[index]]
 
     def host_bytes(self) -> int:
         total = sum(v.numel() * v.element_size() for vs in self._values for v in vs)

@@ -5,8 +5,9 @@ NOTE [SSD EPS]
    first optimizer step on, one for its optimizer state: every tensor-valued entry of
    ``optimizer.state`` with at least one dimension, in (parameter, key) order. 0-dim entries
    (Adam's ``step``) and non-tensor entries stay in memory, inside the optimizer.
-2. The forward fetch reads the weights; the backward fetch reads the weights and, ahead of the
-   update, the optimizer state. The update then works on the buffers read: the optimizer's
+2. Every fetch reads the weights; when a layer's backward starts (``prepare_update``), its
+   optimizer state is read while the layer computes (not when its weights are read ahead: one
+   state less in memory). The update then works on the buffers read: the optimizer's
    master parameters and state entries become views of them, it steps in place, and both
    buffers are written back to their extents before the update returns. Then masters and
    state entries are empty placeholders again (NOTE [EPS contract] 4).
@@ -108,14 +109,17 @@ class SSDEPS(EPS):
         buf = alloc(entry.layout.nbytes, _CPU, self._align)
         fut = self._read(disk.weights, buf, disk.weights_digest)
         self.meter.add(weight_bytes_moved=entry.layout.data_bytes, fetches=1)
-        fetched = Fetched(index, fut, entry.layout.nbytes, self.meter, self.device, host=buf)
-        if backward and entry.optimizer is not None and disk.state is not None:
-            layout = disk.state_layout
-            sbuf = alloc(layout.nbytes, _CPU, self._align)
-            self.meter.hold("state", layout.nbytes)
-            self.meter.add(state_bytes_read=layout.data_bytes)
-            fetched.state = (sbuf, self._read(disk.state, sbuf, disk.state_digest))
-        return fetched
+        return Fetched(index, fut, entry.layout.nbytes, self.meter, self.device, host=buf)
+
+    def prepare_update(self, fetched: Fetched) -> None:
+        entry, disk = self.entries[fetched.layer], self._disk[fetched.layer]
+        if entry.optimizer is None or disk.state is None or fetched.state is not None:
+            return
+        layout = disk.state_layout
+        sbuf = alloc(layout.nbytes, _CPU, self._align)
+        self.meter.hold("state", layout.nbytes)
+        self.meter.add(state_bytes_read=layout.data_bytes)
+        fetched.state = (sbuf, self._read(disk.state, sbuf, disk.state_digest), layout.nbytes)
 
     # -- update (NOTE [SSD EPS] 2-3) -----------------------------------------------------------
     def update(self, index, grads, fetched):
@@ -126,11 +130,11 @@ class SSDEPS(EPS):
         views = entry.layout.views(fetched.host)
         for j, m in zip(entry.trainable, entry.masters):
             m.data = views[j]
+        self.prepare_update(fetched)  # a no-op when the relay called it already
         state_buf, held = None, 0
         if fetched.state is not None:
-            state_buf, fut = fetched.state
-            fetched.state = None
-            held = disk.state_layout.nbytes
+            state_buf, fut, held = fetched.state
+            fetched.state = None  # this update drops what it holds, below
             fut.result()
             self._load_state(entry, disk, state_buf)
         try:
@@ -196,7 +200,7 @@ class SSDEPS(EPS):
         return out, held + new.nbytes
 
     # -- values and teardown -------------------------------------------------------------------
-    def values(self, index):
+    def values(self, index, copy=True):  # a fresh read either way
         entry, disk = self.entries[index], self._disk[index]
         buf = alloc(entry.layout.nbytes, _CPU, self._align)
         self._read(disk.weights, buf, disk.weights_digest).result()

@@ -94,7 +94,9 @@ class Relay:
         self._failed: str | None = None
         self._steps = 0
         self._updater_submitted = 0  # layers whose update the current step has queued
+        self._in_use: list = []  # fetches the compute thread holds (released on failure)
         self._stats: dict = {}
+        self.storage = storage
         if cfg.eps == "ssd" or cfg.stash == "ssd":
             from ..storage import open_backend
 
@@ -200,7 +202,7 @@ class Relay:
                 restore = self.config.eps == "host"
             if restore and self._failed is None:
                 for layer, slots in enumerate(self._slots):
-                    for p, v in zip(slots.params, self._eps.values(layer)):
+                    for p, v in zip(slots.params, self._eps.values(layer, copy=False)):
                         p.data = v  # host memory, where the model was built
             self._eps.close()
             if self._stash is not None:
@@ -230,8 +232,7 @@ class Relay:
         t0 = time.perf_counter()
         xs = inputs
         for i in range(n):
-            fetched, buf = self._prefetcher.next(i)
-            self._bind(i, buf)
+            fetched, buf = self._take(i)
             ys = []
             hooks = self._tokens.hooks() if self._tokens else contextlib.nullcontext()
             copied = recompute and not self._stash.holds_inputs()  # boundary: see _meter.py
@@ -256,6 +257,7 @@ class Relay:
                     ys.append(y)
                     del xin, out
             self._unbind(i)
+            self._in_use.remove(fetched)
             fetched.release()
             xs = ys
         loss = xs[0]
@@ -293,8 +295,8 @@ class Relay:
         if self._stash is not None:  # the top layer's inputs: read while its weights come
             self._stash.prefetch([(top, u) for u in range(U)])
         for i in range(top, self._lowest - 1, -1):
-            fetched, buf = self._prefetcher.next(i)
-            self._bind(i, buf)
+            fetched, buf = self._take(i)
+            self._eps.prepare_update(fetched)
             if self._stash is not None:  # one layer ahead (NOTE [SSD stash] 3)
                 self._stash.prefetch([(i - 1, u) for u in range(U)])
             for u in range(U):
@@ -316,9 +318,17 @@ class Relay:
             layer_grads = self._slots[i].take_grads()
             self._unbind(i)
             self._updater_submitted += 1
+            self._in_use.remove(fetched)
             self._updater.submit(i, layer_grads, fetched)
         for g in grads:
             self._meter.drop("boundary", _nbytes(g))
+
+    def _take(self, i: int):
+        """Layer ``i``'s next fetch, waited for and bound to its module."""
+        fetched, buf = self._prefetcher.next(i)
+        self._in_use.append(fetched)
+        self._bind(i, buf)
+        return fetched, buf
 
     def _bind(self, i: int, buf: torch.Tensor) -> None:
         self._slots[i].bind(buf)
@@ -343,6 +353,8 @@ class Relay:
     def _abort(self, err: BaseException, updated: int) -> None:
         """Leave no fetch, stash entry, gradient or bound weight behind after a failed step."""
         self._prefetcher.cancel()
+        while self._in_use:
+            self._in_use.pop().release()
         with contextlib.suppress(BaseException):
             self._updater.drain()
         for i, slots in enumerate(self._slots):

@@ -82,18 +82,20 @@ def test_graph_mode_counts_saved_activations(storage):
 
 
 def test_tracked_working_bytes_do_not_grow_with_depth(storage):
-    """NOTE [Working bytes]: with both SSD tiers the relay holds one layer's weights and
-    optimizer state and a window of stashed inputs, at any depth (RSS: bench_relay.py)."""
+    """NOTE [Working bytes]: with both SSD tiers the relay holds a few layers' weights and
+    optimizer state and a window of stashed inputs, at any depth. Without overlap nothing
+    depends on thread timing, so the peaks are equal to the byte (with overlap they vary within
+    a bound set by read_ahead and max_pending_updates; peak RSS by depth: bench_relay.py)."""
     peaks, grows = {}, {}
     for depth in (4, 8, 16):
-        cfg = GPTConfig(vocab=64, seq=32, hidden=64, heads=4, layers=depth)
-        relay, stats = run(cfg, 4, storage, steps=3, eps="ssd", stash="ssd")
-        peaks[depth] = max(s["peak_working_bytes"] for s in stats[1:])
+        cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=depth)
+        relay, stats = run(cfg, 2, storage, steps=2, eps="ssd", stash="ssd", overlap=False)
+        peaks[depth] = max(s["peak_working_bytes"] for s in stats)
         relay.close()
-        relay, stats = run(cfg, 4, storage, steps=2, eps="host", stash="memory")
+        relay, stats = run(cfg, 2, storage, steps=1, eps="host", stash="memory", overlap=False)
         grows[depth] = stats[-1]["peak_working_bytes"]
         relay.close()
-    assert max(peaks.values()) <= 1.05 * min(peaks.values()), peaks
+    assert peaks[4] == peaks[8] == peaks[16], peaks
     assert grows[4] < grows[8] < grows[16], grows  # the memory stash grows with depth
 
 
