@@ -10,8 +10,10 @@ speed: the 6 blocks of W1 (tba.testing.GPT(W1): H=512, 8 heads, S=512, fp32) wit
 micro-batches of ``--micro-batch`` sequences. One step of each mode in turn per round (disk
 and CPU speed drift over minutes), medians over the rounds and per-round paired ratios against
 "plain": ``(model(x_u, y_u) / 4).backward()`` for each micro-batch, then one AdamW step. Relay
-modes: recompute (L2L: stash layer inputs in memory, recompute in the backward) and graph (keep
-each layer's autograd graph, no recompute), each with overlap on and off.
+modes (``--modes``): recompute (L2L: host EPS, layer inputs stashed in memory, recomputed in the
+backward) and graph (each layer's autograd graph kept, no recompute), each also with
+``workers=True`` (optimizer steps and weight copies on worker threads, overlapping compute); and
+ssd (both SSD tiers, recompute) with overlap on and off (SSD reads ahead, or not).
 
 memory: a child process per run (LD_PRELOAD of tcmalloc when installed, as README "Memory the
 process gives back" advises; in a memory cgroup of its own without a cap, when one can be made,
@@ -232,10 +234,18 @@ def _mib(n) -> str:
 
 # -- speed ---------------------------------------------------------------------------------------
 SPEED_MODES = {
-    "recompute": dict(recompute=True, overlap=True),
-    "recompute, no overlap": dict(recompute=True, overlap=False),
-    "graph": dict(recompute=False, overlap=True),
-    "graph, no overlap": dict(recompute=False, overlap=False),
+    "recompute": dict(recompute=True),
+    "recompute, workers": dict(recompute=True, workers=True),
+    "graph": dict(recompute=False),
+    "graph, workers": dict(recompute=False, workers=True),
+    "ssd": dict(recompute=True, eps="ssd", stash="ssd"),
+    "ssd, no overlap": dict(recompute=True, eps="ssd", stash="ssd", overlap=False),
+}
+# What overlap saves: (mode with it, the same mode without it)
+OVERLAPS = {
+    "optimizer steps on a worker (recompute)": ("recompute, workers", "recompute"),
+    "optimizer steps on a worker (graph)": ("graph, workers", "graph"),
+    "SSD reads ahead": ("ssd", "ssd, no overlap"),
 }
 
 
@@ -244,6 +254,7 @@ def speed(args) -> dict:
 
     import torch
 
+    import tba
     from tba.relay import Relay, RelayConfig, layers_of
     from tba.testing import GPT, W1, random_batch
 
@@ -253,14 +264,18 @@ def speed(args) -> dict:
     x, y = random_batch(W1, args.micro_batch * U)
     plain = copy.deepcopy(base)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    spill = tempfile.mkdtemp(prefix="tba-relay-", dir=args.spill_dir)
+    storage = tba.Config(spill_dir=spill)
+    chosen = [m for m in args.modes.split(",") if m] if args.modes else list(SPEED_MODES)
     relays = {
         name: Relay(
             layers_of(copy.deepcopy(base)),
             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
             micro_batches=U,
-            config=RelayConfig(**kw),
+            config=RelayConfig(**SPEED_MODES[name]),
+            storage=storage,
         )
-        for name, kw in SPEED_MODES.items()
+        for name in chosen
     }
     del base
 
@@ -291,6 +306,8 @@ def speed(args) -> dict:
             print(f"  round {r} {m:<22} {dt:7.2f} s", flush=True)
     for relay in relays.values():
         relay.close(restore=False)
+    with contextlib.suppress(OSError):
+        os.rmdir(spill)
     med = {m: statistics.median(v) for m, v in times.items()}
     res: dict = {
         "workload": f"W1 blocks (6), U={U} micro-batches of {args.micro_batch}",
@@ -301,7 +318,14 @@ def speed(args) -> dict:
         },
         "losses_equal_plain": {m: losses[m] == losses["plain"] for m in relays},
         "overlap_saves": {
-            kind: 1 - med[kind] / med[f"{kind}, no overlap"] for kind in ("recompute", "graph")
+            what: 1 - med[on] / med[off]
+            for what, (on, off) in OVERLAPS.items()
+            if on in med and off in med
+        },
+        "overlap_saves_paired": {
+            what: 1 - statistics.median(a / b for a, b in zip(times[on], times[off]))
+            for what, (on, off) in OVERLAPS.items()
+            if on in med and off in med
         },
         "stalls": {
             m: {
@@ -326,8 +350,9 @@ def speed(args) -> dict:
             f"{s['fetch_wait_seconds']:.3f}, update wait {s['update_wait_seconds']:.3f} "
             f"(optimizer {s['update_seconds']:.3f})"
         )
-    for kind, saved in res["overlap_saves"].items():
-        print(f"overlap saves {saved * 100:.1f}% of the {kind} step")
+    for what, saved in res["overlap_saves"].items():
+        paired = res["overlap_saves_paired"][what]
+        print(f"{what}: saves {saved * 100:.1f}% of the step (paired {paired * 100:.1f}%)")
     return res
 
 
@@ -525,6 +550,7 @@ def main(argv=None) -> int:
         help="sequences per micro-batch (speed: 8, W1's; memory: 2)",
     )
     ap.add_argument("--depths", default="4,8,16", help="memory: block counts")
+    ap.add_argument("--modes", default="", help="speed: relay modes (default: all)")
     ap.add_argument("--cap", default="640MiB", help="capped: the memory cap")
     ap.add_argument("--hidden", type=int, default=512, help="capped: hidden size of the blocks")
     ap.add_argument("--blocks", default="auto", help="capped: block count, or auto")

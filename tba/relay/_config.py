@@ -47,10 +47,17 @@ class RelayConfig:
     [Weights out of the graph]); no recompute."""
 
     overlap: bool = True
-    """True (default): fetch the next layers' weights on a worker thread (or as asynchronous
-    reads) while the current layer computes, and run each layer's optimizer step on another
-    worker while the layer below computes. False: everything in turn on the calling thread (for
-    measuring what overlap saves)."""
+    """True (default): work that does not need the compute thread's cores runs while a layer
+    computes: the next layers' weights and stashed inputs are read from the SSD ahead, and
+    with ``workers`` the host copies and each layer's optimizer step run on worker threads.
+    False: everything in turn on the calling thread (for measuring what overlap saves)."""
+
+    workers: bool | None = None
+    """Run the EPS's CPU work (host-tier weight copies, optimizer steps) on worker threads, so
+    that layer l's optimizer step runs while layer l-1 computes. None (default): workers when
+    layers compute on a CUDA device (the CPU is free then); on the CPU they would compete with
+    compute for the same cores, so the compute thread runs that work itself, between layers
+    (BENCHMARKS.md, "Relay", measures both). Disk I/O is asynchronous either way."""
 
     read_ahead: int = 1
     """How many layers' weights are fetched ahead of the executing one (with ``overlap``). Each
@@ -71,6 +78,14 @@ class RelayConfig:
     """With ``recompute``: save the RNG state before each layer's forward on each micro-batch and
     restore it for the recompute, so that dropout draws the same masks twice."""
 
+    def use_workers(self) -> bool:
+        """Whether worker threads run the EPS's CPU work (see ``workers``)."""
+        if not self.overlap:
+            return False
+        return (
+            self.workers if self.workers is not None else torch.device(self.device).type == "cuda"
+        )
+
     def __post_init__(self) -> None:
         problems = []
         if self.eps not in EPS_TIERS:
@@ -79,6 +94,8 @@ class RelayConfig:
             problems.append(
                 f"stash={self.stash!r} is invalid; expected one of {'|'.join(STASH_PLACES)}."
             )
+        if self.workers is not None and not isinstance(self.workers, bool):
+            problems.append(f"workers={self.workers!r} is invalid; expected True, False or None.")
         for name in ("recompute", "overlap", "preserve_rng"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(

@@ -6,8 +6,8 @@ NOTE [EPS contract]
    weights' bytes in ``weight_bytes_moved``; a step fetches each layer once for the forward
    and once for the backward, whatever the number of micro-batches.
 2. ``update(l, grads, fetched)`` runs layer l's optimizer on its master weights with the
-   layer's gradients summed over the micro-batches. It runs on the update worker while the
-   compute thread works on layer l-1, so it touches nothing of any other layer.
+   layer's gradients summed over the micro-batches. With workers it runs on the update worker
+   while the compute thread works on layer l-1, so it touches nothing of any other layer.
 3. The relay never fetches layer l while an update of layer l is queued or running: each step
    ends by waiting for its updates (``Relay.step``), and within a step the backward fetch of
    layer l comes before its update.
@@ -97,6 +97,7 @@ class EPS:
     """Builds each layer in turn, takes its parameters' values and gives it empty placeholders."""
 
     tier = ""
+    async_fetch = True  # a fetch returns before its bytes are there (so reading ahead helps)
 
     def __init__(
         self, layers: Layers, factory: OptimizerFactory, device: torch.device, meter: Meter
@@ -189,15 +190,16 @@ class HostEPS(EPS):
 
     Each fetch copies the layer's weights into a fresh buffer on the compute device (on a CPU
     host, host memory: the copy is what a GPU host would send over the bus, and what the
-    traffic counters count). With overlap, copies run on a fetch worker.
+    traffic counters count). With workers (RelayConfig.workers), copies run on a fetch worker.
     """
 
     tier = "host"
 
-    def __init__(self, layers, factory, device, meter, overlap: bool):
+    def __init__(self, layers, factory, device, meter, workers: bool):
         self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="tba-relay-fetch") if overlap else None
+            ThreadPoolExecutor(1, thread_name_prefix="tba-relay-fetch") if workers else None
         )
+        self.async_fetch = workers
         self._values: list[list[torch.Tensor]] = []
         super().__init__(layers, factory, device, meter)
 

@@ -47,7 +47,7 @@ _SECONDS = (
     "fetch_wait_seconds",  # the compute thread waited for a layer's weights
     "update_wait_seconds",  # ... for a free optimizer-step slot, and at the step's end
     "stash_wait_seconds",  # ... for the SSD stash (staging full, or a read not back yet)
-    "update_seconds",  # time spent in optimizer steps (on the update worker with overlap)
+    "update_seconds",  # time spent in optimizer steps (on the update worker, with workers)
 )
 
 

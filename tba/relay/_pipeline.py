@@ -5,14 +5,16 @@ NOTE [Relay overlap]
    lowest trainable layer for the backward. ``Prefetcher`` keeps up to ``read_ahead`` fetches
    issued beyond the one in use (host tier: copies on the EPS's fetch worker, in order; SSD
    tier: asynchronous reads on the backend's I/O threads).
-2. ``Updater`` runs each layer's optimizer step on one worker thread, in submission order,
+2. With workers (RelayConfig.workers), ``Updater`` runs each layer's optimizer step on one
+   worker thread, in submission order,
    while the compute thread goes on with the layer below. At most ``max_pending_updates`` are
    queued or running; past that, ``submit`` waits (``update_wait_seconds``). The update owns
    the layer's gradients and fetched buffers and releases them when it ends.
 3. ``drain`` waits for every update of the step and raises the first error; it runs before
    ``step()`` returns, so that the next step's fetches read updated weights (NOTE [EPS
    contract] 3) and the caller sees the trained model.
-Without overlap, both run inline on the compute thread.
+Without overlap, fetches are issued only when needed. Without workers, updates (and host-tier
+copies) run on the compute thread; on the SSD tier their reads and writes stay asynchronous.
 """
 
 from __future__ import annotations
@@ -68,12 +70,12 @@ class Prefetcher:
 
 
 class Updater:
-    def __init__(self, eps: EPS, overlap: bool, limit: int, meter: Meter):
+    def __init__(self, eps: EPS, workers: bool, limit: int, meter: Meter):
         self._eps = eps
         self._limit = limit
         self._meter = meter
         self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="tba-relay-update") if overlap else None
+            ThreadPoolExecutor(1, thread_name_prefix="tba-relay-update") if workers else None
         )
         self._pending: collections.deque[Future] = collections.deque()
 

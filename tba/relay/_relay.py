@@ -11,8 +11,8 @@ again; for each micro-batch u in order, recompute the layer on its stashed input
 state its forward had) or take the kept graph, and backpropagate the gradient that layer l+1
 gave for u. Parameter gradients accumulate in ``p.grad`` over u = 0..U-1, the order in which
 plain gradient accumulation (``(model(x_u) / U).backward()`` for each u) adds them, which is why
-the result is bit-identical on the CPU. Then layer l's gradients go to its optimizer step on the
-update worker (NOTE [Relay overlap]), while layer l-1 computes.
+the result is bit-identical on the CPU. Then layer l's gradients go to its optimizer step (on
+the update worker with workers, while layer l-1 computes: NOTE [Relay overlap]).
 Each layer's forward runs as its recompute will: grad mode on, the input requiring grad exactly
 when a layer below has trainable parameters (as it would inside the whole model), so that both
 pick the same kernels and produce the same bits.
@@ -125,9 +125,10 @@ class Relay:
         else:
             self._stash = MemoryStash(self._meter)
         self._tokens = None if cfg.recompute else WeightTokens(self._meter)
-        ahead = cfg.read_ahead if cfg.overlap else 0
+        ahead = cfg.read_ahead if cfg.overlap and self._eps.async_fetch else 0
         self._prefetcher = Prefetcher(self._eps, ahead, self._meter)
-        self._updater = Updater(self._eps, cfg.overlap, cfg.max_pending_updates, self._meter)
+        workers = cfg.use_workers()
+        self._updater = Updater(self._eps, workers, cfg.max_pending_updates, self._meter)
         self.param_bytes = sum(e.layout.data_bytes for e in self._eps.entries)
 
     def _make_eps(self, optimizer) -> EPS:
@@ -138,7 +139,7 @@ class Relay:
             return SSDEPS(
                 self.spec, optimizer, self.device, self._meter, self._backend, self.storage.checksum
             )
-        return HostEPS(self.spec, optimizer, self.device, self._meter, cfg.overlap)
+        return HostEPS(self.spec, optimizer, self.device, self._meter, cfg.use_workers())
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -292,12 +293,13 @@ class Relay:
         U = self.micro_batches
         grads: list[torch.Tensor | None] = [None] * U
         top = len(self._slots) - 1
-        if self._stash is not None:  # the top layer's inputs: read while its weights come
+        ahead = self._stash is not None and self.config.overlap
+        if ahead:  # the top layer's inputs: read while its weights come
             self._stash.prefetch([(top, u) for u in range(U)])
         for i in range(top, self._lowest - 1, -1):
             fetched, buf = self._take(i)
             self._eps.prepare_update(fetched)
-            if self._stash is not None:  # one layer ahead (NOTE [SSD stash] 3)
+            if ahead:  # one layer ahead (NOTE [SSD stash] 3)
                 self._stash.prefetch([(i - 1, u) for u in range(U)])
             for u in range(U):
                 if self._stash is None:
@@ -379,6 +381,7 @@ class Relay:
             stash=self.config.stash if self.config.recompute else "graph",
             recompute=self.config.recompute,
             overlap=self.config.overlap,
+            workers=self.config.use_workers(),
             param_bytes=self.param_bytes,
             eps_host_bytes=self._eps.host_bytes(),
             eps_disk_bytes=getattr(self._eps, "disk_bytes", lambda: 0)(),

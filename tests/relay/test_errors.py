@@ -98,6 +98,7 @@ def test_optimizer_must_be_built_from_its_argument():
         (dict(read_ahead=9), r"read_ahead=9 is invalid; expected a whole number from 0 to 4"),
         (dict(max_pending_updates=0), r"max_pending_updates=0 is invalid"),
         (dict(overlap="yes"), r"overlap='yes' is invalid; expected True or False"),
+        (dict(workers=1), r"workers=1 is invalid; expected True, False or None"),
         (dict(device="gpu"), r"device='gpu' is invalid; expected a torch device"),
         (dict(stash="ssd", recompute=False), r"stash='ssd' needs recompute=True"),
         (dict(eps="x", stash="y"), r"^tba\.relay: 2 problems:\n  - eps='x'"),

@@ -21,9 +21,13 @@ U = 4
 MODES = {
     "host-memory": dict(eps="host", stash="memory"),
     "host-memory-serial": dict(eps="host", stash="memory", overlap=False),
+    "host-memory-workers": dict(eps="host", stash="memory", workers=True),
     "host-graph": dict(eps="host", recompute=False),
     "ssd-ssd": dict(eps="ssd", stash="ssd"),
-    "ssd-ssd-ahead2": dict(eps="ssd", stash="ssd", read_ahead=2, max_pending_updates=1),
+    "ssd-ssd-workers-ahead2": dict(
+        eps="ssd", stash="ssd", workers=True, read_ahead=2, max_pending_updates=1
+    ),
+    "host-graph-workers": dict(eps="host", recompute=False, workers=True),
     "ssd-graph-serial": dict(eps="ssd", recompute=False, overlap=False),
 }
 
