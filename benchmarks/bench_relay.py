@@ -228,6 +228,11 @@ def child_env(tcmalloc: bool) -> dict:
     return env
 
 
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / MiB:.0f}"
 
@@ -291,25 +296,31 @@ def speed(args) -> dict:
 
     modes = ["plain", *relays]
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # user+system seconds, all threads
     losses: dict[str, list[float]] = {m: [] for m in modes}
     stats: dict[str, list[dict]] = {m: [] for m in relays}
     for r in range(args.warmup + args.repeats):
         for m in modes:
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             loss = plain_step() if m == "plain" else relays[m].step(x, y).item()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, _cpu_seconds() - c0
             losses[m].append(loss)
             if r >= args.warmup:
                 times[m].append(dt)
+                cpu[m].append(dc)
                 if m != "plain":
                     stats[m].append(relays[m].stats())
-            print(f"  round {r} {m:<22} {dt:7.2f} s", flush=True)
+            print(f"  round {r} {m:<22} {dt:7.2f} s  (cpu {dc:6.2f} s)", flush=True)
     for relay in relays.values():
         relay.close(restore=False)
     with contextlib.suppress(OSError):
         os.rmdir(spill)
     med = {m: statistics.median(v) for m, v in times.items()}
+    med_cpu = {m: statistics.median(v) for m, v in cpu.items()}
     res: dict = {
+        "median_cpu_seconds": med_cpu,
+        "cpu_over_plain": {m: med_cpu[m] / med_cpu["plain"] for m in relays},
+        "rounds": {"wall": times, "cpu": cpu},
         "workload": f"W1 blocks (6), U={U} micro-batches of {args.micro_batch}",
         "median_seconds": med,
         "over_plain": {m: med[m] / med["plain"] for m in relays},
@@ -338,15 +349,19 @@ def speed(args) -> dict:
     }
     print()
     print(f"{res['workload']}, {args.repeats} interleaved rounds (+{args.warmup} warm-up)")
-    print(f"{'mode':<24}{'median (s)':>11}{'/ plain':>9}{'paired':>8}  loss = plain, stalls (s)")
+    print(
+        f"{'mode':<24}{'median (s)':>11}{'/ plain':>9}{'paired':>8}{'cpu / plain':>12}"
+        "  loss = plain, stalls (s)"
+    )
     for m in modes:
         if m == "plain":
-            print(f"{m:<24}{med[m]:>11.2f}{1:>9.3f}{1:>8.3f}")
+            print(f"{m:<24}{med[m]:>11.2f}{1:>9.3f}{1:>8.3f}{1:>12.3f}")
             continue
         s = res["stalls"][m]
         print(
             f"{m:<24}{med[m]:>11.2f}{res['over_plain'][m]:>9.3f}"
-            f"{res['over_plain_paired'][m]:>8.3f}  {res['losses_equal_plain'][m]}, fetch "
+            f"{res['over_plain_paired'][m]:>8.3f}{res['cpu_over_plain'][m]:>12.3f}"
+            f"  {res['losses_equal_plain'][m]}, fetch "
             f"{s['fetch_wait_seconds']:.3f}, update wait {s['update_wait_seconds']:.3f} "
             f"(optimizer {s['update_seconds']:.3f})"
         )
