@@ -95,3 +95,10 @@ def test_torchrun(tmp_path):
     out = run(argv, tmp_path, env={"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
     assert sorted(s["rank"] for s in out) == [0, 1], out
     assert out[0]["spill_path"] != out[1]["spill_path"]
+
+
+def test_relay_llama(tmp_path):
+    argv = [sys.executable, example("relay_llama.py"), "--steps", "2", "--batch", "4", *TINY]
+    (s,) = run(argv, tmp_path)
+    assert s["eps"] == "ssd" and s["stash"] == "ssd"
+    assert s["weight_bytes_moved"] == 2 * s["param_bytes"]  # each layer's weights, twice a step
