@@ -19,7 +19,7 @@ memory: a child process per run (LD_PRELOAD of tcmalloc when installed, as READM
 process gives back" advises; in a memory cgroup of its own without a cap, when one can be made,
 see bench_headroom.py), W1-sized blocks at each depth, U=4 micro-batches of ``--micro-batch``,
 2 steps. Plain accumulation against the relay with eps="ssd", stash="ssd" (layers built one at a
-time: the relay process never holds the whole model). Peak RSS (ru_maxrss), the RSS after
+time: the relay process never holds the whole model). Peak RSS (VmHWM), the RSS after
 imports (the baseline), the cgroup's peak charge, and the relay's tracked peak_working_bytes.
 
 capped: the relay (eps="ssd") on ``--blocks`` blocks of W1's shape with hidden size ``--hidden``
@@ -109,11 +109,21 @@ def batches(vocab: int, seq: int, batch: int, steps: int):
     return out
 
 
-def _rss_now() -> int:
+def _status_bytes(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss_now() -> int:
+    return _status_bytes("VmRSS")
+
+
+def _rss_peak() -> int:
+    """This process's own peak RSS. Not ru_maxrss: Linux carries that over fork and exec, so a
+    child of a large parent reports the parent's peak."""
+    return _status_bytes("VmHWM")
 
 
 def child_main(spec: dict) -> int:
@@ -170,7 +180,7 @@ def child_main(spec: dict) -> int:
         if spec.get("hash"):  # one layer in memory at a time: the model may exceed the cap
             out["sha256"] = [_digest(relay.parameters_of(i).values()) for i in range(len(builders))]
         relay.close(restore=False)
-    out["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = _rss_peak()
     out["losses"] = [float(v).hex() for v in losses]
     out["step_seconds"] = times
     if spec.get("hash") and spec["what"] == "plain":
@@ -397,7 +407,7 @@ def memory(args, cap_factory) -> dict:
                 rows.append(rec)
                 print(
                     f"  depth {depth:>2} {what:<5} exit {rec['returncode']}, peak RSS "
-                    f"{_mib(rec.get('ru_maxrss'))} MiB, charged "
+                    f"{_mib(rec.get('peak_rss'))} MiB, charged "
                     f"{_mib(rec.get('peak_charged_bytes'))} MiB",
                     flush=True,
                 )
@@ -421,18 +431,18 @@ def memory(args, cap_factory) -> dict:
         f"{'anon':>7}{'charged':>9}{'tracked':>9}  (MiB)"
     )
     for r in rows:
-        work = r["ru_maxrss"] - r["rss_after_imports"] if "ru_maxrss" in r else None
+        work = r["peak_rss"] - r["rss_after_imports"] if "peak_rss" in r else None
         tracked = (r.get("relay") or {}).get("peak_working_bytes")
         print(
-            f"{r['spec']['depth']:>5} {r['spec']['what']:<6}{_mib(r.get('ru_maxrss')):>10}"
+            f"{r['spec']['depth']:>5} {r['spec']['what']:<6}{_mib(r.get('peak_rss')):>10}"
             f"{_mib(r.get('rss_after_imports')):>10}{_mib(work):>10}"
             f"{_mib(r.get('peak_anon_bytes')):>7}{_mib(r.get('peak_charged_bytes')):>9}"
             f"{_mib(tracked):>9}"
         )
     for what in ("plain", "relay"):
-        mine = [r for r in rows if r["spec"]["what"] == what and "ru_maxrss" in r]
+        mine = [r for r in rows if r["spec"]["what"] == what and "peak_rss" in r]
         for key, label in (
-            ("ru_maxrss", "peak RSS"),
+            ("peak_rss", "peak RSS"),
             ("peak_anon_bytes", "peak anon (cgroup, sampled)"),
             ("peak_charged_bytes", "peak charged (cgroup)"),
         ):
@@ -443,7 +453,7 @@ def memory(args, cap_factory) -> dict:
                 print(
                     f"{what} {label}: max/min - 1 over depths {args.depths} = {spread * 100:.1f}%"
                 )
-        work = [r["ru_maxrss"] - r["rss_after_imports"] for r in mine]
+        work = [r["peak_rss"] - r["rss_after_imports"] for r in mine]
         if len(work) == len(args.depths):
             spread = max(work) / min(work) - 1
             res.setdefault("spread", {})[f"{what} peak-baseline"] = spread
@@ -505,7 +515,7 @@ def capped(args, cap_factory) -> dict:
                 "returncode",
                 "peak_charged_bytes",
                 "oom_kills",
-                "ru_maxrss",
+                "peak_rss",
                 "step_seconds",
                 "relay",
                 "stderr_tail",
@@ -516,7 +526,7 @@ def capped(args, cap_factory) -> dict:
             for k in (
                 "returncode",
                 "peak_charged_bytes",
-                "ru_maxrss",
+                "peak_rss",
                 "step_seconds",
                 "stderr_tail",
             )
