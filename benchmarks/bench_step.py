@@ -8,10 +8,14 @@ turn), since disk and CPU speed drift over minutes; the figures are medians over
     python benchmarks/bench_step.py --backends native,posix   # one tba mode per backend
     python benchmarks/bench_step.py --max-bps 100MB/s --keeps auto,0  # one mode per keep-K
     python benchmarks/bench_step.py --checksums auto,off  # the checksum's cost
+    python benchmarks/bench_step.py --autocast bf16 --recompute-weights 1,0  # weight casts
 
 With ``--backends`` (or ``--keeps``, ``--checksums``), each value gets its own Offloader and
 its own interleaved mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tba:keep=0``;
-``tba:checksum=auto``), and the report adds the ratio of the first two. ``--max-bps`` caps
+``tba:checksum=auto``; ``tba:recompute=1``), and the report adds the ratio of the first two.
+``--autocast bf16`` (or ``fp16``) runs every mode's forward under ``torch.autocast``; the
+report then shows, per tba mode, the bytes written and the weight casts recomputed instead
+(NOTE [Weight-derived tensors] in tba/derived.py). ``--max-bps`` caps
 both directions (TBA_MAX_WRITE_BPS/READ_BPS) to emulate a slower disk. ``--io-load`` adds a
 mode "none+io": the no-offload step while a background loop writes and reads at the rates
 the first tba mode moved in its previous step (benchmarks/_ioload.py), to separate what the
@@ -39,16 +43,17 @@ import tba  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 
 
-def one_step(model, batch, mode, off):
+def one_step(model, batch, mode, off, autocast=None):
     """Forward and backward once; returns (seconds, tba stats or None)."""
     model.zero_grad(set_to_none=True)
     model.checkpoint_blocks = mode == "checkpoint"
     t0 = time.perf_counter()
-    if mode.startswith("tba"):
-        with off.step(model):
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        if mode.startswith("tba"):
+            with off.step(model):
+                loss = model(*batch)
+        else:
             loss = model(*batch)
-    else:
-        loss = model(*batch)
     loss.backward()
     dt = time.perf_counter() - t0
     if off is not None and mode.startswith("tba"):
@@ -62,10 +67,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per mode first")
     ap.add_argument("--spill-dir", default="/var/tmp", help="root of the spill dir (local disk)")
     ap.add_argument("--batch", type=int, default=W1_MICRO_BATCH)
+    ap.add_argument("--seq", type=int, default=W1.seq, help="tokens per sequence (at most 512)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--backends", default="", help="e.g. native,posix: one tba mode per backend")
     ap.add_argument("--keeps", default="", help="e.g. auto,0: one tba mode per TBA_KEEP_LAST")
     ap.add_argument("--checksums", default="", help="e.g. auto,off: one tba mode per TBA_CHECKSUM")
+    ap.add_argument(
+        "--recompute-weights", default="", help="e.g. 1,0: one tba mode per TBA_RECOMPUTE_WEIGHTS"
+    )
+    ap.add_argument("--autocast", choices=("bf16", "fp16"), help="forward under torch.autocast")
     ap.add_argument("--max-bps", default=None, help="cap on spill write and read, e.g. 100MB/s")
     ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpointing mode")
     ap.add_argument(
@@ -81,6 +91,8 @@ def main(argv=None) -> int:
         variants[f"tba:keep={k}"] = {"keep_last": k}
     for c in (c for c in args.checksums.split(",") if c):
         variants[f"tba:checksum={c}"] = {"checksum": c}
+    for w in (w for w in args.recompute_weights.split(",") if w):
+        variants[f"tba:recompute={w}"] = {"recompute_weights": w}
     if not variants:
         variants["tba"] = {}
     if args.max_bps:
@@ -91,9 +103,10 @@ def main(argv=None) -> int:
     if args.io_load:
         modes.insert(1 + len(tba_modes), "none+io")
 
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast or "")
     torch.manual_seed(0)
     model = GPT(W1)
-    batch = random_batch(W1, args.batch)
+    batch = tuple(t[:, : args.seq] for t in random_batch(W1, args.batch))
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
     offs = {m: tba.Offloader(tba.Config(spill_dir=spill, **v)) for m, v in variants.items()}
     load = IoLoad(spill) if args.io_load else None
@@ -107,7 +120,8 @@ def main(argv=None) -> int:
             for mode in modes:
                 if mode == "none+io":
                     load.start(*rates)
-                dt, st, loss = one_step(model, batch, mode.removesuffix("+io"), offs.get(mode))
+                run = mode.removesuffix("+io")
+                dt, st, loss = one_step(model, batch, run, offs.get(mode), autocast)
                 if mode == "none+io":
                     load.stop()
                     if r >= args.warmup:
@@ -133,7 +147,9 @@ def main(argv=None) -> int:
     last = st_all[-1]
     later = st_all[1:] or st_all  # steps after the first (which has no prefetch plan yet)
     res = {
-        "workload": f"W1 micro-batch {args.batch}",
+        "workload": f"W1 micro-batch {args.batch}"
+        + (f", {args.seq} tokens" if args.seq != W1.seq else "")
+        + (f", autocast {args.autocast}" if args.autocast else ""),
         "median_seconds": med,
         "tba_over_none": med[first] / med["none"],
         "checkpoint_over_none": med["checkpoint"] / med["none"] if "checkpoint" in med else None,
@@ -164,6 +180,9 @@ def main(argv=None) -> int:
             / later_m[-1]["saved_bytes"],
             "stall_median": statistics.median(x["stall_seconds"] for x in later_m),
             "sync_loads_max": max(x["sync_loads"] for x in later_m),
+            "bytes_offloaded": later_m[-1]["bytes_offloaded"],
+            "recomputed_tensors": later_m[-1]["recomputed_tensors"],
+            "recomputed_bytes": later_m[-1]["recomputed_bytes"],
         }
     paired = [t / n for t, n in zip(times[first], times["none"])]
     res["tba_over_none_paired"] = statistics.median(paired)
@@ -220,7 +239,9 @@ def main(argv=None) -> int:
     for m, pm in res["per_mode"].items():
         print(
             f"{m}: keep_last {pm['keep_last']}, peak/saved {pm['peak_over_saved']:.3f}, "
-            f"stall median {pm['stall_median']:.3f} s, sync loads max {pm['sync_loads_max']}"
+            f"stall median {pm['stall_median']:.3f} s, sync loads max {pm['sync_loads_max']}, "
+            f"written {pm['bytes_offloaded'] / 2**20:.1f} MiB, recomputed "
+            f"{pm['recomputed_tensors']} tensors ({pm['recomputed_bytes'] / 2**20:.1f} MiB)"
         )
     print(f"saved_bytes:                     {res['saved_bytes'] / 2**20:.1f} MiB")
     print(f"peak_resident_bytes (max):       {res['peak_resident_bytes'] / 2**20:.1f} MiB")

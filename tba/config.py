@@ -170,6 +170,15 @@ _FIELDS: dict[str, _Field] = {
         64 << 20,
         "Without a model to take blocks from, a new group starts every this many packed bytes.",
     ),
+    "recompute_weights": _Field(
+        "TBA_RECOMPUTE_WEIGHTS",
+        _bool,
+        True,
+        "Saved tensors computed from a parameter alone by a cast or a copy and views (the bf16 "
+        "weight casts autocast saves) are recomputed from the parameter in backward instead of "
+        "written; an in-place change of that parameter before backward then raises. 0: offload "
+        "them like any other saved tensor.",
+    ),
     "checksum": _Field(
         "TBA_CHECKSUM",
         _choice(CHECKSUMS),
@@ -277,6 +286,7 @@ class Config:
     min_free_bytes: int = _UNSET
     slab_bytes: int = _UNSET
     group_bytes: int = _UNSET
+    recompute_weights: bool = _UNSET
     checksum: str = _UNSET
     max_write_bps: int | None = _UNSET
     max_read_bps: int | None = _UNSET

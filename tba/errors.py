@@ -113,11 +113,25 @@ def internal_error(component: str, what: str) -> InternalError:
     )
 
 
-def modified_error(shape: object, dtype: object, now: int, then: int) -> UnpackError:
-    """Stock PyTorch's in-place error, for a saved tensor modified after it was packed."""
+def modified_error(
+    shape: object, dtype: object, now: int, then: int, what: str = "saved tensor"
+) -> UnpackError:
+    """Stock PyTorch's in-place error, for a saved tensor modified after it was packed, or
+    for the parameter a weight-derived tensor is recomputed from (``what="parameter"``,
+    NOTE [Weight-derived tensors] in tba/derived.py)."""
+    if what == "parameter":
+        fix = (
+            "A saved cast of this parameter is recomputed from it in backward, as autograd "
+            "reads a parameter it saved: modify parameters after backward (optimizer.step()), "
+            "or set TBA_RECOMPUTE_WEIGHTS=0 where a framework rewrites them in between."
+        )
+    else:
+        fix = (
+            "Stock PyTorch raises here too: clone the tensor before modifying it, or use the "
+            "out-of-place operation."
+        )
     return UnpackError(
         f"tba.unpack: one of the variables needed for gradient computation has been modified "
-        f"by an inplace operation: a saved tensor of shape {list(shape)} and dtype {dtype} is "
-        f"at version {now}; expected version {then} instead. Stock PyTorch raises here too: "
-        "clone the tensor before modifying it, or use the out-of-place operation."
+        f"by an inplace operation: a {what} of shape {list(shape)} and dtype {dtype} is "
+        f"at version {now}; expected version {then} instead. {fix}"
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .derived import Derived
 from .handle import Handle, KeptHandle
 from .pack import Packer
 from .step import StepState
@@ -29,6 +30,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return self.packer.pack(t, self.st)
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, (Handle, KeptHandle)):
+        if isinstance(packed, (Handle, KeptHandle, Derived)):
             return self.reader.unpack(packed)
         return packed  # excluded at pack time: the tensor itself

@@ -1,8 +1,9 @@
 """The Packer: what happens to a tensor autograd saves, from the pack hook to its bytes on disk.
 
-``pack`` decides in order: exclude (parameters and their views), dedup (the same view saved
-again), keep (every reason a tensor stays in memory is decided here, see tba/policy.py for
-their names), offload. It never waits for I/O: a capture is a memcpy into staging or the
+``pack`` decides in order: exclude (parameters and their views), recompute (weight casts,
+NOTE [Weight-derived tensors] in tba/derived.py), dedup (the same view saved again), keep
+(every reason a tensor stays in memory is decided here, see tba/policy.py for their names),
+offload. It never waits for I/O: a capture is a memcpy into staging or the
 tensor's own memory (CPU, NOTE [Direct capture] in tba/staging.py) or an async copy (CUDA), and
 the write runs on an I/O thread. Small tensors share one write (NOTE [Coalescing] in
 tba/coalesce.py). When a write fails, or the disk refuses, the bytes stay in memory: a tensor
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from .coalesce import Batch, batch_bytes
+from .derived import derived
 from .device import CpuAdapter
 from .entry import DEAD, FAILED, Entry
 from .errors import internal_error, modified_error
@@ -40,6 +42,7 @@ class Packer:
         self.groups = groups
         cfg = io.config
         self.coalesce_bytes = cfg.coalesce_bytes
+        self.recompute_weights = cfg.recompute_weights
         self.batch_bytes = batch_bytes(cfg.coalesce_bytes, cfg.staging_bytes, io.align)
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
         self._seq = 0
@@ -57,6 +60,14 @@ class Packer:
             return t
         if is_parameter_like(t, self.param_storages):
             return t  # held by the model anyway; never written, never counted
+        if self.recompute_weights:
+            d = derived(t, self.param_storages)
+            if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
+                storage = t.untyped_storage()
+                with self.io.lock:
+                    st.packs += 1
+                    st.recomputed(storage, storage._cdata, d.nbytes)
+                return d
         storage = t.untyped_storage()
         key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         index = self.index

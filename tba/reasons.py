@@ -6,7 +6,9 @@ NOTE [Counted once]
 Every saved tensor tba counts (``packs``: all but parameters and their views) ends up in
 exactly one of ``tensors_offloaded`` (its bytes reached the disk: counted when its write
 completes, so a step's numbers can still grow after its forward, like ``bytes_reloaded``),
-``tensors_kept`` (with one reason below), or ``dedup_hits`` (the same bytes saved again).
+``tensors_kept`` (with one reason below), ``dedup_hits`` (the same bytes saved again), or
+``recomputed_tensors`` (derived from a parameter alone, rebuilt at unpack and never held:
+NOTE [Weight-derived tensors] in tba/derived.py).
 Until its writes have completed, a step has ``unsettled`` entries; the metrics keep
 following it until there are none (NOTE [Metrics] in tba/metrics.py).
 """

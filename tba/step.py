@@ -144,6 +144,8 @@ class StepState:
         self.packs = 0
         self.coalesced_tensors = 0  # offloaded tensors that went into a batch (NOTE [Coalescing])
         self.coalesced_writes = 0  # batch writes issued
+        self.recomputed_tensors = 0  # NOTE [Weight-derived tensors] in tba/derived.py
+        self.recomputed_bytes = 0
         self.unsettled = 0  # entries not yet counted (NOTE [Counted once] in tba/reasons.py)
         self.seen: dict[int, StorageRef] = {}  # storages counted in saved_bytes
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
@@ -242,6 +244,13 @@ class StepState:
         self.tensors_kept += 1
         self.kept_reasons[reason] += 1
 
+    def recomputed(self, storage: Any, cdata: int, nbytes: int) -> None:
+        """A weight-derived tensor: rebuilt at unpack, never held (its bytes counted once)."""
+        self.recomputed_tensors += 1
+        if cdata not in self.seen:
+            self.recomputed_bytes += nbytes
+        self.see(storage, cdata, nbytes)
+
     def offloaded(self, nbytes: int) -> None:
         self.tensors_offloaded += 1
         self.bytes_offloaded += nbytes
@@ -259,6 +268,8 @@ class StepState:
             kept_groups=self.kept_groups,
             coalesced_tensors=self.coalesced_tensors,
             coalesced_writes=self.coalesced_writes,
+            recomputed_tensors=self.recomputed_tensors,
+            recomputed_bytes=self.recomputed_bytes,
             tensors_in_flight=self.unsettled,
             forward_seconds=self.forward_seconds,
         )

@@ -18,6 +18,7 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from .coalesce import Batch
+from .derived import Derived
 from .entry import CAPTURE, DEAD, ON_DISK, Entry
 from .errors import StorageError, internal_error
 from .handle import Handle, KeptHandle
@@ -37,7 +38,9 @@ class Reader:
         self.prefetcher = prefetcher
 
     # -- the unpack hook ----------------------------------------------------------------------
-    def unpack(self, h: Handle | KeptHandle) -> torch.Tensor:
+    def unpack(self, h: Handle | KeptHandle | Derived) -> torch.Tensor:
+        if type(h) is Derived:
+            return h.rebuild()  # NOTE [Weight-derived tensors]
         now = self.io.clock()
         if isinstance(h, KeptHandle):
             if h.stat is not None:
