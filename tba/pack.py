@@ -107,6 +107,7 @@ class Packer:
             if isinstance(e, str):
                 return e
         h = Handle(e, t, stride, offset, key)
+        e.saw(h.ref)
         e.saved(self._next_seq())
         self.index.add_handle(h)
         return h

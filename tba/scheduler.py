@@ -153,6 +153,18 @@ class GroupTracker:
         self.stat = None
 
 
+# NOTE [Forwarding]
+# An unpack is served by the saved tensor itself while it is alive (the user, or another part
+# of the graph, still holds it): reading its bytes back would cost a read and memory for
+# nothing. So when the plan reaches an entry whose originals (every tensor a handle was made
+# for) are all alive, it takes the entry's budget as usual but reads nothing, and keeps the
+# entry aside (``step.deferred``). Each later pump looks at those first: one whose original
+# has died since is read then, in its own budget, so the window and its order are those of a
+# plan without forwarding; one that was unpacked (``Entry.deferred`` cleared at its last use,
+# which gives the budget back) is forgotten. An original that dies between a pump and its
+# unpack costs a synchronous read, counted in ``sync_loads``.
+
+
 # NOTE [Plan order]
 # Each forward leaves a plan (its entries, last packed first). Which plan's backward comes next
 # is not known in advance: with plain gradient accumulation it is the only one; with pipeline
@@ -188,15 +200,23 @@ class Prefetcher:
         for other in self.plans:
             if other.backward_started or other.index >= step.index:
                 continue  # only older forwards without a backward (a newer one may be next)
+            if other.cursor >= len(other.plan or []):
+                continue  # every read issued: only forwardable entries left (NOTE [Forwarding])
             for e in other.plan[: other.cursor]:
                 if e.budgeted and e.host is not None and not e.io_busy and e.left == e.uses:
                     drop(e)
             other.cursor = 0
+            for e in other.deferred:
+                e.deferred = False  # seen again from the start of the plan
+                self.give_back(e)
+            other.deferred = []
 
     def pump(self) -> None:
         ordered = [s for s in self.plans if s.backward_started]
         ordered += [s for s in self.plans if not s.backward_started]
         for step in ordered:
+            if step.deferred:
+                self._pump_deferred(step)
             plan = step.plan or []
             while step.cursor < len(plan):
                 e = plan[step.cursor]
@@ -206,17 +226,39 @@ class Prefetcher:
                 if self.inflight and self.inflight + e.padded > self.budget:
                     return
                 self.take(e)
-                if e.state in (CAPTURE, WRITING):
-                    e.want = True  # served from staging when its write completes
+                if e.originals_alive():  # NOTE [Forwarding]: hold its place, read nothing
+                    e.deferred = True
+                    step.deferred.append(e)
                 else:
-                    self.start(e)
+                    self._fetch(e)
                 step.cursor += 1
         self._drop_finished()
+
+    def _fetch(self, e: Entry) -> None:
+        """Bring a budgeted entry's bytes back: a read, or its staging once written."""
+        if e.state in (CAPTURE, WRITING):
+            e.want = True  # served from staging when its write completes
+        else:
+            self.start(e)
+
+    def _pump_deferred(self, step: StepState) -> None:
+        """Read the passed-over entries whose originals died since (NOTE [Forwarding])."""
+        still = []
+        for e in step.deferred:
+            if not e.deferred or not e.budgeted or e.state in (DEAD, FAILED, MEMORY):
+                e.deferred = False
+            elif e.originals_alive():
+                still.append(e)
+            else:
+                e.deferred = False
+                if e.host is None and e.reading is None:
+                    self._fetch(e)
+        step.deferred = still
 
     def _drop_finished(self) -> None:
         keep = []
         for s in self.plans:
-            if s.cursor < len(s.plan or []):
+            if s.cursor < len(s.plan or []) or s.deferred:
                 keep.append(s)
             else:
                 s.plan = None  # release the entries; the step keeps only its counters

@@ -149,6 +149,7 @@ class StepState:
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
+        self.deferred: list[Any] = []  # entries passed over while forwardable (NOTE [Forwarding])
         self.backward_started = False  # an entry of this step was unpacked (NOTE [Plan order])
         self.forward_end = 0.0
         self.observed = False  # fed to the keep controller and the trace

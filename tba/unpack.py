@@ -115,6 +115,7 @@ class Reader:
     def _consume(self, e: Entry) -> None:
         """One use unpacked. After the last use of this backward, drop the read-back bytes."""
         if e.consumed():
+            e.deferred = False  # used: the plan need not read it (NOTE [Forwarding])
             self.drop_read_back(e)
             self.prefetcher.pump()
 
