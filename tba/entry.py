@@ -90,6 +90,7 @@ class Entry:
         "originals",
         "deferred",
         "upload",
+        "dev_budgeted",
     )
 
     def __init__(
@@ -137,6 +138,7 @@ class Entry:
         self.span: tuple[int, int] | None = None  # what its checksum covers (None: all)
         self.originals: list[Any] = []  # weak references to the saved tensors (NOTE [Forwarding])
         self.deferred = False  # the plan passed it over while an original was alive
+        self.dev_budgeted = 0  # bytes it holds of the device window (NOTE [Device prefetch])
         step.unsettled += 1
 
     def __repr__(self) -> str:

@@ -5,12 +5,14 @@ again), keep (every reason a tensor stays in memory is decided here, see tba/pol
 their names), offload. It never waits for I/O: a capture is a memcpy into staging or the
 tensor's own memory (CPU, NOTE [Direct capture] in tba/staging.py) or an async copy (CUDA), and
 the write runs on an I/O thread. Small tensors share one write (NOTE [Coalescing] in
-tba/coalesce.py). When a write fails, or the disk refuses, the bytes stay in memory: a tensor
+tba/coalesce.py). The one wait it may do is for staging, when asked to (NOTE [Staging
+backpressure]). When a write fails, or the disk refuses, the bytes stay in memory: a tensor
 is never lost.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,6 +32,17 @@ from .staging import DirectBlock, StagingPool
 from .step import StepState, StorageRef
 
 
+# NOTE [Staging backpressure]
+# Staging (TBA_STAGING_BYTES: the pinned pool on CUDA; on the CPU also the tensors held for
+# their direct write) fills when writes do not keep up. By default (TBA_STAGING_FULL=keep) a
+# tensor that finds it full stays resident: the forward never waits, and memory grows by what
+# is kept (kept_reasons["staging_full"]). With TBA_STAGING_FULL=wait the pack waits, with the
+# lock released so that write completions can free staging, until a block is given back and
+# its bytes fit, at most TBA_STAGING_WAIT seconds per pack: the memory cap holds at the cost
+# of a stall, counted in ``stall_seconds`` and ``pack_stall_seconds``. Batches being filled
+# are sealed and written first (they free staging only once written). A tensor larger than
+# the whole staging never waits. After one timeout the rest of the step keeps without waiting,
+# so a drive that stopped does not cost a timeout per tensor.
 class Packer:
     """Packs saved tensors of the current step (see the module docstring)."""
 
@@ -46,6 +59,7 @@ class Packer:
         self._batches: dict[torch.device, Batch] = {}  # the open batch per device
         self._refused_step = -1  # the step in which the backend refused an extent
         self._refused_reason = "disk_full"
+        self._waited_out = -1  # the step in which a staging wait timed out
 
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
@@ -126,13 +140,14 @@ class Packer:
             block = batch.carve(nbytes)
             st.coalesced_tensors += 1
         else:
-            block = None
+            direct = None
             if isinstance(adapter, CpuAdapter):
-                block = self._direct_block(t, storage, whole, nbytes, stride, staging)
-            if block is None:
-                block = staging.alloc(nbytes)
-            elif isinstance(block, str):
-                return block
+                direct = self._direct_block(t, storage, whole, nbytes, stride)
+            if direct is None:
+                block = self._room(st, staging, nbytes, lambda: staging.alloc(nbytes))
+            else:
+                held = lambda: direct if staging.hold(direct) else None  # noqa: E731
+                block = self._room(st, staging, direct.length, held)
             if block is None:
                 return "staging_full"
             extent = io.backend.allocate(block.length)
@@ -177,9 +192,9 @@ class Packer:
             fut.add_done_callback(self._capture_waited)
         return e
 
-    def _direct_block(self, t, storage, whole: bool, nbytes: int, stride, staging: StagingPool):
-        """A DirectBlock for ``t``'s own bytes, "staging_full" when they do not fit the staging
-        budget, or None when ``t`` must be copied into staging (NOTE [Direct capture])."""
+    def _direct_block(self, t, storage, whole: bool, nbytes: int, stride):
+        """A DirectBlock for ``t``'s own bytes (not yet counted against the staging budget), or
+        None when ``t`` must be copied into staging (NOTE [Direct capture])."""
         if whole:
             source = torch.empty(0, dtype=torch.uint8).set_(storage)
         elif tuple(stride) == t.stride():  # a dense view: its bytes start at its data pointer
@@ -189,8 +204,48 @@ class Packer:
             return None
         if source.data_ptr() % t.element_size():  # pragma: no cover - torch aligns storages
             return None
-        block = DirectBlock(source, t, self.io.align)
-        return block if staging.hold(block) else "staging_full"
+        return DirectBlock(source, t, self.io.align)
+
+    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get):
+        """``get()``: a staging block (or a held DirectBlock), or None when staging is full.
+        With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]).
+        Lock held; released while waiting."""
+        seen = staging.frees
+        got = get()
+        cfg = self.io.config
+        if got is not None or cfg.staging_full != "wait" or self._waited_out == st.index:
+            return got
+        if nbytes > staging.capacity:
+            return None  # could never fit: waiting would only add a stall
+        self.seal_all()  # a batch being filled frees its staging only once written
+        io, lock = self.io, self.io.lock
+        deadline = time.monotonic() + cfg.staging_wait
+        waited = 0.0
+        while got is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            lock.release()
+            t0 = io.clock()
+            try:
+                staging.wait_freed(seen, left)
+            finally:
+                waited += io.clock() - t0
+                lock.acquire()
+            seen = staging.frees
+            got = get()
+        st.stall_seconds += waited
+        st.pack_stall_seconds += waited
+        if got is None:
+            self._waited_out = st.index
+            io.warn_once(
+                "staging-wait",
+                f"tba.pack: staging stayed full for TBA_STAGING_WAIT={cfg.staging_wait:g} s "
+                f"(writes are not keeping up); keeping saved tensors in memory for the rest of "
+                f"step {st.index} (kept_reasons['staging_full']). Raise TBA_STAGING_BYTES or "
+                f"TBA_STAGING_WAIT, or check the spill drive.",
+            )
+        return got
 
     def _refused(self, st: StepState) -> str:
         """The backend refused an extent: returns the kept reason it names (tba/reasons.py)."""
@@ -282,6 +337,8 @@ class Packer:
                 e.hold(io.copy_out(e), from_disk=False)
             io.free_staging(e)
             self.index.bury()
+            if e.want:
+                io.on_host()  # NOTE [Device prefetch]
 
     def _write_failed(self, e: Entry, err: BaseException) -> None:
         """Keep the bytes in memory: a failed write never loses data. A full, removed,

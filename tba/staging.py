@@ -62,6 +62,8 @@ class StagingPool:
         self.align = align
         self._alloc = ExtentAllocator(arena.numel(), align)
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self.frees = 0  # blocks given back so far: what a waiting pack watches (wait_freed)
         self.peak = 0  # most bytes of the arena in use
         self.refusals = 0
         self.held = 0  # bytes of DirectBlocks: sources held for their writes (rule 4)
@@ -99,11 +101,19 @@ class StagingPool:
 
     def free(self, block: StagingBlock | DirectBlock) -> None:
         with self._lock:
+            self.frees += 1
+            self._freed.notify_all()
             if isinstance(block, DirectBlock):
                 self.held -= block.length
                 return
             self._alloc.free(block.offset)
         block.base = None  # type: ignore[assignment]
+
+    def wait_freed(self, seen: int, timeout: float) -> bool:
+        """Wait until a block is given back after :attr:`frees` read ``seen``; False when
+        ``timeout`` seconds passed first (TBA_STAGING_FULL=wait)."""
+        with self._lock:
+            return self._freed.wait_for(lambda: self.frees != seen, timeout)
 
 
 # NOTE [Direct capture]

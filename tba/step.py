@@ -136,6 +136,9 @@ class StepState:
         self.forwarded = 0
         self.sync_loads = 0
         self.stall_seconds = 0.0
+        self.pack_stall_seconds = 0.0  # packs waiting for staging (NOTE [Staging backpressure])
+        self.uploads_ahead = 0  # H2D copies issued ahead of their unpack (NOTE [Device prefetch])
+        self.uploads_at_unpack = 0
         self.peak_resident_bytes = 0
         self.peak_disk_bytes = 0
         self.io_errors = 0
@@ -261,6 +264,9 @@ class StepState:
             coalesced_tensors=self.coalesced_tensors,
             coalesced_writes=self.coalesced_writes,
             tensors_in_flight=self.unsettled,
+            uploads_ahead=self.uploads_ahead,
+            pack_stall_seconds=self.pack_stall_seconds,
+            uploads_at_unpack=self.uploads_at_unpack,
             forward_seconds=self.forward_seconds,
         )
         return out

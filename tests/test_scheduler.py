@@ -58,6 +58,7 @@ class FakeEntry:
         self.budgeted = 0
         self.want = False
         self.alive = False  # an original is alive (NOTE [Forwarding])
+        self.dev_budgeted = 0
         self.reading = None
         self.deferred = False
 
