@@ -13,6 +13,7 @@ import torch
 from .handle import Handle, KeptHandle
 from .pack import Packer
 from .step import StepState
+from .subclass import DTensorHandle
 from .unpack import Reader
 
 
@@ -31,4 +32,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, (Handle, KeptHandle)):
             return self.reader.unpack(packed)
+        if isinstance(packed, DTensorHandle):  # NOTE [DTensor]
+            return packed.rebuild(self.unpack(packed.inner))
         return packed  # excluded at pack time: the tensor itself

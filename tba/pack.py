@@ -25,11 +25,13 @@ from .errors import internal_error, modified_error
 from .handle import Handle, KeptHandle, layout
 from .index import Index
 from .io import IO
-from .policy import Policy, is_parameter_like, unsupported
+from .policy import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from .reasons import KEPT_REASONS, kept_reason_for
 from .scheduler import GroupTracker
 from .staging import DirectBlock, StagingPool
 from .step import StepState, StorageRef
+from .subclass import DTensorHandle, is_dtensor, local_of, waited
+from .subclass import kind as subclass_name
 
 
 # NOTE [Staging backpressure]
@@ -65,10 +67,7 @@ class Packer:
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
         """What autograd stores for ``t``: a handle, a kept handle, or ``t`` itself."""
         if unsupported(t):
-            with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
-                st.packs += 1
-                st.keep("unsupported")
-            return t
+            return self._unsupported(t, st)
         if is_parameter_like(t, self.param_storages):
             return t  # held by the model anyway; never written, never counted
         storage = t.untyped_storage()
@@ -103,6 +102,30 @@ class Packer:
             h = KeptHandle(t, index.kept_entry(key[0], snbytes), key, gs)
             index.add_handle(h)
             return h
+
+    def _unsupported(self, t: torch.Tensor, st: StepState) -> Any:
+        """A DTensor goes through its local shard (NOTE [DTensor]); anything else stays."""
+        if is_dtensor(t):
+            if t.requires_grad and t.is_leaf:
+                return t  # a DTensor parameter: held by the model anyway
+            return DTensorHandle(self.pack(local_of(t), st), t)
+        inner = waited(t)  # an AsyncCollectiveTensor: its plain tensor
+        if inner is not None:
+            return self.pack(inner, st)
+        reason = "unsupported" if type(t) in PLAIN_TYPES else "subclass"
+        with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
+            st.packs += 1
+            st.keep(reason)
+            if reason == "subclass":
+                name = subclass_name(t)
+                self.io.warn_once(
+                    f"subclass-{name}",
+                    f"tba.pack: keeping saved tensors of type {name} in memory "
+                    f"(stats()['kept_reasons']['subclass']): tba offloads plain tensors, and "
+                    f"DTensor through its local shard, but cannot capture this subclass's "
+                    f"bytes; the memory they take is not saved.",
+                )
+        return t
 
     def _next_seq(self) -> int:
         self._seq += 1
