@@ -12,7 +12,6 @@ is never lost.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,17 +33,6 @@ from .subclass import DTensorHandle, is_dtensor, local_of, waited
 from .subclass import kind as subclass_name
 
 
-# NOTE [Staging backpressure]
-# Staging (TBA_STAGING_BYTES: the pinned pool on CUDA; on the CPU also the tensors held for
-# their direct write) fills when writes do not keep up. By default (TBA_STAGING_FULL=keep) a
-# tensor that finds it full stays resident: the forward never waits, and memory grows by what
-# is kept (kept_reasons["staging_full"]). With TBA_STAGING_FULL=wait the pack waits, with the
-# lock released so that write completions can free staging, until a block is given back and
-# its bytes fit, at most TBA_STAGING_WAIT seconds per pack: the memory cap holds at the cost
-# of a stall, counted in ``stall_seconds`` and ``pack_stall_seconds``. Batches being filled
-# are sealed and written first (they free staging only once written). A tensor larger than
-# the whole staging never waits. After one timeout the rest of the step keeps without waiting,
-# so a drive that stopped does not cost a timeout per tensor.
 class Packer:
     """Packs saved tensors of the current step (see the module docstring)."""
 
@@ -241,22 +229,8 @@ class Packer:
         if nbytes > staging.capacity:
             return None  # could never fit: waiting would only add a stall
         self.seal_all()  # a batch being filled frees its staging only once written
-        io, lock = self.io, self.io.lock
-        deadline = time.monotonic() + cfg.staging_wait
-        waited = 0.0
-        while got is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            lock.release()
-            t0 = io.clock()
-            try:
-                staging.wait_freed(seen, left)
-            finally:
-                waited += io.clock() - t0
-                lock.acquire()
-            seen = staging.frees
-            got = get()
+        io = self.io
+        got, waited = staging.wait_for(get, seen, cfg.staging_wait, io.lock, io.clock)
         st.stall_seconds += waited
         st.pack_stall_seconds += waited
         if got is None:
