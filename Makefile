@@ -1,5 +1,7 @@
 # make demo: train a small GPT with and without tba and print the comparison table.
-# make test: lint, then the whole test suite.
+# make test: lint, then the whole test suite, then the GPU check's dry run (< 1 min, no GPU).
+# make gpu-check: on a GPU machine whose python has torch with CUDA (no venv, no network):
+#   benchmarks/gpu/check.sh, 20 minutes at most; results in gpu-check-out/.
 # Both create .venv when it is missing and install the pinned CPU build of torch first
 # (a plain `pip install torch` could pull a multi-GB CUDA build).
 
@@ -9,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +38,15 @@ lint: $(VENV)/.test
 
 test: lint
 	$(PY) -m pytest -q
+	PYTHON=$(PY) OUT_DIR=gpu-check-out/dry benchmarks/gpu/check.sh --dry
+
+# Uses the machine's python (PYTHON, default python3) as it is: it must have torch with CUDA.
+gpu-check:
+	PYTHON=$(PYTHON) benchmarks/gpu/check.sh
 
 bench: $(VENV)/.base
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache tba/_engine*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache tba/_engine*.so gpu-check-out

@@ -186,6 +186,24 @@ def _rate(value: Any) -> int | None:
     return n
 
 
+def _seconds(value: Any) -> float:
+    """A duration: ``10``, ``2.5``, ``500ms``, ``30s``; more than 0."""
+    text = str(value).strip().lower() if not isinstance(value, (int, float)) else value
+    scale = 1.0
+    if isinstance(text, str):
+        if text.endswith("ms"):
+            text, scale = text[:-2], 1e-3
+        elif text.endswith("s"):
+            text = text[:-1]
+    try:
+        n = float(text) * scale
+    except (TypeError, ValueError):
+        n = float("nan")
+    if isinstance(value, bool) or not (0 < n < float("inf")):
+        raise ValueParseError(value, "a duration of more than 0 seconds, such as 10, 2.5s or 500ms")
+    return n
+
+
 def _optional_file(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None

@@ -28,6 +28,7 @@ from ._config_values import (
     _path,
     _quota,
     _rate,
+    _seconds,
     _size_at_least,
     _tbw,
     format_size,
@@ -122,6 +123,28 @@ _FIELDS: dict[str, _Field] = {
         _size_at_least(1 << 20),
         128 << 20,
         "Most bytes of reads in flight, or read back and not yet used, during backward.",
+    ),
+    "device_prefetch_bytes": _Field(
+        "TBA_DEVICE_PREFETCH_BYTES",
+        parse_size,
+        256 << 20,
+        "CUDA: most bytes of read-back tensors copied to the device ahead of their unpack and "
+        "not yet used (H2D on a side stream, in backward's order). 0: copy each at its unpack.",
+    ),
+    "staging_full": _Field(
+        "TBA_STAGING_FULL",
+        _choice(("keep", "wait")),
+        "keep",
+        "What a pack does when staging (TBA_STAGING_BYTES) is full: 'keep' the tensor resident "
+        "(no wait; counted in kept_reasons['staging_full']), or 'wait' for writes to free "
+        "staging, at most TBA_STAGING_WAIT seconds, so the memory cap holds (counted as stall).",
+    ),
+    "staging_wait": _Field(
+        "TBA_STAGING_WAIT",
+        _seconds,
+        10.0,
+        "With TBA_STAGING_FULL=wait: the longest one pack waits for staging. After a timeout the "
+        "tensor is kept and the rest of the step keeps without waiting.",
     ),
     "keep_last": _Field(
         "TBA_KEEP_LAST",
@@ -279,6 +302,9 @@ class Config:
     coalesce_bytes: int = _UNSET
     staging_bytes: int = _UNSET
     prefetch_bytes: int = _UNSET
+    device_prefetch_bytes: int = _UNSET
+    staging_full: str = _UNSET
+    staging_wait: float = _UNSET
     keep_last: int | str = _UNSET
     max_disk_bytes: int | None = _UNSET
     node_max_disk_bytes: int | None = _UNSET

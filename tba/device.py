@@ -6,8 +6,11 @@ An adapter moves bytes between a saved tensor's device and aligned host memory:
   returns a :class:`Ticket`; the bytes may be written to disk only after ``ticket.wait()``.
 - ``host_buffer(n)`` allocates the aligned memory a read lands in (host memory, or device memory
   in device-direct mode).
-- ``to_device(host, device)`` returns a device-side uint8 tensor holding the read bytes, ordered
-  so that the *current* stream may use it at once.
+- ``upload(host, device)`` starts the copy of read bytes to the device (CUDA: on the side
+  stream, ahead of the unpack that needs them; NOTE [Device prefetch] in tba/scheduler.py) and
+  returns an :class:`Upload`; ``hand_out(x)`` (an Upload, or the read buffer itself where
+  ``uploads`` is False) returns the device-side uint8 tensor, ordered so that the *current*
+  stream may use it at once. ``to_device(host, device)`` is the two in one.
 
 The CPU adapter is synchronous and zero-copy on the read side. The CUDA adapter follows the
 ordering rules below; it cannot run in this project's CI (no GPU) and is tested for ordering
@@ -21,11 +24,19 @@ with fakes (``tests/test_device.py``) and for real by ``gpu``-marked tests.
 3. The staging bytes are written to disk only after the copy's event completed (``Ticket.wait``).
    That event is created with ``blocking=True``, so the waiting thread sleeps instead of
    spinning a core.
-4. Read-back: the device buffer is allocated on the consumer (current) stream; the side stream
-   first waits for the consumer's pending work (the allocator may reuse memory freed there),
-   then copies H2D; the consumer stream waits on the copy's event before any kernel reads it.
-   The pinned source is kept alive until that event completes (pruned at later captures and
-   read-backs).
+4. Read-back (``upload``, possibly on an I/O thread, ahead of the unpack): the device buffer
+   is allocated under the side stream and the H2D copy runs there, followed by an event. The
+   pinned source is kept alive until that event completes (pruned at later captures and
+   uploads). Allocating under the side stream is what lets the copy start before any consumer
+   exists: the caching allocator hands the side stream only memory whose earlier uses on it
+   are ordered before the copy, so no ``wait_stream`` on the consumer is needed.
+4a. Hand-out (``hand_out``, at unpack, on the training thread): the consumer (current) stream
+   waits on the copy's event before any kernel it runs later (no host sync), and the buffer is
+   ``record_stream``-ed on the consumer, once per consumer stream. The rule this follows: a
+   block used on a stream other than the one it was allocated under must be recorded on that
+   stream, else, once freed, the allocator gives it back to the side stream at once and a
+   later upload can overwrite it while the consumer's kernels queued before the free still
+   read it. (Holding a Python reference until the consumer finishes would need a host sync.)
 
 Device-direct mode (``direct=True``, for GPUDirect Storage): the staging arena and the read
 buffers are device memory. cuFile moves bytes between them and the drive by DMA, and that DMA is
@@ -39,7 +50,7 @@ stream). Therefore:
    contiguous source), no queued copy still touches it when the DMA lands. The side stream only
    carries copies, so the wait is short.
 7. A GDS read has completed when its future resolves: cuFileRead returns after its DMA, and
-   kvikio's POSIX fallback synchronizes its own bounce copy. So ``to_device`` returns the buffer
+   kvikio's POSIX fallback synchronizes its own bounce copy. So ``hand_out`` returns the buffer
    itself, with no copy and no event: any kernel queued later sees the bytes. It calls
    ``record_stream(consumer)``, so that once the buffer is freed the allocator does not give the
    block to a later read (whose DMA would overwrite it) before the consumer's kernels queued
@@ -63,6 +74,18 @@ def _device_empty(nbytes: int, align: int, device: torch.device) -> torch.Tensor
     raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
     start = (-raw.data_ptr()) % align
     return raw[start : start + nbytes]
+
+
+class Upload:
+    """Read bytes being copied to the device: ``buf`` once ``event`` has completed; ``streams``
+    are the consumer streams ``buf`` was recorded on (NOTE [CUDA ordering] 4a)."""
+
+    __slots__ = ("buf", "event", "streams")
+
+    def __init__(self, buf: torch.Tensor, event: Any):
+        self.buf = buf
+        self.event = event
+        self.streams: list[Any] = []
 
 
 class Ticket:
@@ -89,6 +112,12 @@ class DeviceAdapter(Protocol):
 
     def capture(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket: ...
 
+    uploads: bool  # True: read bytes reach the device through upload() (NOTE [Device prefetch])
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> Upload: ...
+
+    def hand_out(self, got: Any) -> torch.Tensor: ...
+
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
 
     def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
@@ -104,6 +133,7 @@ class CpuAdapter:
     """
 
     name = "cpu"
+    uploads = False
 
     def __init__(self, pool_bytes: int = 0):
         self.pool = MappedPool(pool_bytes)
@@ -123,6 +153,12 @@ class CpuAdapter:
         # Synchronous on the packing thread: no later in-place op can race with this copy.
         dst.copy_(src)
         return DONE
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> Upload:
+        return Upload(host, None)
+
+    def hand_out(self, got: Any) -> torch.Tensor:
+        return got.buf if isinstance(got, Upload) else got
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
@@ -176,6 +212,7 @@ class CudaAdapter:
         self.cuda = torch.cuda if cuda is None else cuda
         self.pin = pin
         self.direct = direct
+        self.uploads = not direct  # direct: the read lands on the device (rule 7)
         self.name = "cuda-direct" if direct else "cuda"
         self.device = device
         self.side = self.cuda.Stream(device=device)
@@ -210,24 +247,32 @@ class CudaAdapter:
             copied.record(self.side)
         return _CudaTicket(copied, src)
 
-    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        consumer = self.cuda.current_stream(device)
-        if self.direct:
-            self._record_stream(host, consumer)  # rule 7: the bytes are already there
-            return host
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)  # on the consumer stream
-        self.side.wait_stream(consumer)  # rule 4: memory may be reused from consumer-side frees
+    def upload(self, host: torch.Tensor, device: torch.device) -> Upload:
+        """Start the H2D copy of ``host`` on the side stream (rule 4); any thread."""
         with self.cuda.stream(self.side):
+            out = torch.empty(host.shape, dtype=host.dtype, device=device)  # under the side
             self._copy(out, host)
             copied = self.cuda.Event()
             copied.record(self.side)
-        # The consumer waits before anything else it runs, so a later free of ``out`` on the
-        # consumer stream is ordered after the copy: no record_stream is needed.
-        consumer.wait_event(copied)
         self._prune()
         with self._lock:
             self._inflight.append((copied, host))  # rule 4: pinned source outlives the copy
-        return out
+        return Upload(out, copied)
+
+    def hand_out(self, got: Any) -> torch.Tensor:
+        """The device bytes, usable by the current stream's next kernels (rules 4a and 7)."""
+        consumer = self.cuda.current_stream(self.device)
+        if not isinstance(got, Upload):  # direct mode: the read buffer itself (rule 7)
+            self._record_stream(got, consumer)
+            return got
+        consumer.wait_event(got.event)
+        if not any(s == consumer for s in got.streams):
+            self._record_stream(got.buf, consumer)  # rule 4a
+            got.streams.append(consumer)
+        return got.buf
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return self.hand_out(host if self.direct else self.upload(host, device))
 
     def copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy captured staging bytes into a :meth:`host_buffer` buffer; done on return.

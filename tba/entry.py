@@ -68,7 +68,6 @@ class Entry:
         "staging",
         "extent",
         "host",
-        "dev_buf",
         "ticket",
         "check",
         "digest",
@@ -88,6 +87,10 @@ class Entry:
         "stat",
         "settled",
         "span",
+        "originals",
+        "deferred",
+        "upload",
+        "dev_budgeted",
     )
 
     def __init__(
@@ -113,7 +116,7 @@ class Entry:
         self.staging = staging  # StagingBlock, Slot or DirectBlock while the bytes are there
         self.extent = extent  # storage Extent (a batch member's: set when the batch is written)
         self.host: torch.Tensor | None = None  # host bytes: read back, or kept in memory
-        self.dev_buf: torch.Tensor | None = None  # device copy of ``host`` (CUDA)
+        self.upload: Any = None  # the device copy of ``host`` (CUDA: tba.device.Upload)
         self.ticket = None  # the capture's Ticket until it is done (captured_by)
         self.check: tuple[torch.Tensor, int] | None = None  # (source, version at pack)
         self.digest: int | None = None  # the write's checksum, verified by every read
@@ -133,12 +136,25 @@ class Entry:
         self.stat = stat  # the GroupStat of the group that packed it
         self.settled = False  # counted (NOTE [Counted once] in tba/reasons.py)
         self.span: tuple[int, int] | None = None  # what its checksum covers (None: all)
+        self.originals: list[Any] = []  # weak references to the saved tensors (NOTE [Forwarding])
+        self.deferred = False  # the plan passed it over while an original was alive
+        self.dev_budgeted = 0  # bytes it holds of the device window (NOTE [Device prefetch])
         step.unsettled += 1
 
     def __repr__(self) -> str:
         return f"<Entry {self.state.value} {self.nbytes}B>"
 
     # -- uses (handles and unpacks) -------------------------------------------------------------
+    def saw(self, original: Any) -> None:
+        """A handle on these bytes was made for the tensor ``original`` (a weak reference)."""
+        self.originals.append(original)
+
+    def originals_alive(self) -> bool:
+        """Every tensor saved onto these bytes is still alive: each unpack can be served by
+        its original, so reading the bytes back would be wasted (NOTE [Forwarding])."""
+        refs = self.originals
+        return bool(refs) and all(r() is not None for r in refs)
+
     def saved(self, seq: int) -> None:
         """One more save of these bytes: one more unpack to expect, later in the plan."""
         self.uses += 1
@@ -244,7 +260,7 @@ class Entry:
         if self.host is None:
             return False
         self.host = None
-        self.dev_buf = None
+        self.upload = None
         return True
 
     # -- reads -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from .derived import Derived
 from .handle import Handle, KeptHandle
 from .pack import Packer
 from .step import StepState
+from .subclass import DTensorHandle
 from .unpack import Reader
 
 
@@ -32,4 +33,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, (Handle, KeptHandle, Derived)):
             return self.reader.unpack(packed)
+        if isinstance(packed, DTensorHandle):  # NOTE [DTensor]
+            return packed.rebuild(self.unpack(packed.inner))
         return packed  # excluded at pack time: the tensor itself

@@ -68,6 +68,10 @@ class IO:
         self.pending: set[Future] = set()  # every write and read not yet completed
         self.live: set[Entry] = set()  # entries not yet dead
         self.adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
+        self.uploading: set[torch.device] = set()  # devices whose adapter uploads read bytes
+        # Called (lock held) when an entry's bytes have come back to host memory: the Reader
+        # sets it to the device window's pump (NOTE [Device prefetch] in tba/scheduler.py).
+        self.on_host: Callable[[], None] = lambda: None
         self.disk_in_use = 0
         self._warned: set[str] = set()
         self._capture_pool: ThreadPoolExecutor | None = None
@@ -91,8 +95,17 @@ class IO:
             # nothing (NOTE [Direct capture]).
             if not isinstance(adapter, CpuAdapter):
                 self.backend.register(arena)  # long-lived: pinned/mapped once (False: cannot)
-            got = self.adapters[device] = (adapter, StagingPool(arena, self.align))
+            self.add_adapter(device, adapter, StagingPool(arena, self.align))
+            got = self.adapters[device]
         return got
+
+    def add_adapter(self, device: torch.device, adapter: DeviceAdapter, pool: StagingPool) -> None:
+        """Use ``adapter`` and ``pool`` for tensors on ``device`` (tests put fakes in here)."""
+        self.adapters[device] = (adapter, pool)
+        if adapter.uploads:
+            self.uploading.add(device)
+        else:
+            self.uploading.discard(device)
 
     def staging_in_use(self) -> int:
         return sum(pool.in_use for _, pool in self.adapters.values())

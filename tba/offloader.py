@@ -30,6 +30,7 @@ from .pack import Packer
 from .policy import Policy
 from .scheduler import GroupTracker, Prefetcher
 from .step import StepState
+from .subclass import plain
 from .trace import TraceWriter
 from .unpack import Reader
 
@@ -244,8 +245,6 @@ class Offloader:
 
 
 def _model_storages(model: nn.Module) -> frozenset[int]:
-    return frozenset(
-        p.untyped_storage()._cdata
-        for p in (*model.parameters(), *model.buffers())
-        if p.layout is torch.strided
-    )
+    """The storages of the model's parameters and buffers (of their shards: NOTE [DTensor])."""
+    tensors = (plain(p) for p in (*model.parameters(), *model.buffers()))
+    return frozenset(p.untyped_storage()._cdata for p in tensors if p.layout is torch.strided)

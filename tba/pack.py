@@ -6,7 +6,8 @@ NOTE [Weight-derived tensors] in tba/derived.py), dedup (the same view saved aga
 offload. It never waits for I/O: a capture is a memcpy into staging or the
 tensor's own memory (CPU, NOTE [Direct capture] in tba/staging.py) or an async copy (CUDA), and
 the write runs on an I/O thread. Small tensors share one write (NOTE [Coalescing] in
-tba/coalesce.py). When a write fails, or the disk refuses, the bytes stay in memory: a tensor
+tba/coalesce.py). The one wait it may do is for staging, when asked to (NOTE [Staging
+backpressure]). When a write fails, or the disk refuses, the bytes stay in memory: a tensor
 is never lost.
 """
 
@@ -25,11 +26,13 @@ from .errors import internal_error, modified_error
 from .handle import Handle, KeptHandle, layout
 from .index import Index
 from .io import IO
-from .policy import Policy, is_parameter_like, unsupported
+from .policy import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from .reasons import KEPT_REASONS, kept_reason_for
 from .scheduler import GroupTracker
 from .staging import DirectBlock, StagingPool
 from .step import StepState, StorageRef
+from .subclass import DTensorHandle, is_dtensor, local_of, waited
+from .subclass import kind as subclass_name
 
 
 class Packer:
@@ -49,15 +52,13 @@ class Packer:
         self._batches: dict[torch.device, Batch] = {}  # the open batch per device
         self._refused_step = -1  # the step in which the backend refused an extent
         self._refused_reason = "disk_full"
+        self._waited_out = -1  # the step in which a staging wait timed out
 
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
         """What autograd stores for ``t``: a handle, a kept handle, or ``t`` itself."""
         if unsupported(t):
-            with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
-                st.packs += 1
-                st.keep("unsupported")
-            return t
+            return self._unsupported(t, st)
         if is_parameter_like(t, self.param_storages):
             return t  # held by the model anyway; never written, never counted
         if self.recompute_weights:
@@ -101,6 +102,30 @@ class Packer:
             index.add_handle(h)
             return h
 
+    def _unsupported(self, t: torch.Tensor, st: StepState) -> Any:
+        """A DTensor goes through its local shard (NOTE [DTensor]); anything else stays."""
+        if is_dtensor(t):
+            if t.requires_grad and t.is_leaf:
+                return t  # a DTensor parameter: held by the model anyway
+            return DTensorHandle(self.pack(local_of(t), st), t)
+        inner = waited(t)  # an AsyncCollectiveTensor: its plain tensor
+        if inner is not None:
+            return self.pack(inner, st)
+        reason = "unsupported" if type(t) in PLAIN_TYPES else "subclass"
+        with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
+            st.packs += 1
+            st.keep(reason)
+            if reason == "subclass":
+                name = subclass_name(t)
+                self.io.warn_once(
+                    f"subclass-{name}",
+                    f"tba.pack: keeping saved tensors of type {name} in memory "
+                    f"(stats()['kept_reasons']['subclass']): tba offloads plain tensors, and "
+                    f"DTensor through its local shard, but cannot capture this subclass's "
+                    f"bytes; the memory they take is not saved.",
+                )
+        return t
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -118,6 +143,7 @@ class Packer:
             if isinstance(e, str):
                 return e
         h = Handle(e, t, stride, offset, key)
+        e.saw(h.ref)
         e.saved(self._next_seq())
         self.index.add_handle(h)
         return h
@@ -136,13 +162,14 @@ class Packer:
             block = batch.carve(nbytes)
             st.coalesced_tensors += 1
         else:
-            block = None
+            direct = None
             if isinstance(adapter, CpuAdapter):
-                block = self._direct_block(t, storage, whole, nbytes, stride, staging)
-            if block is None:
-                block = staging.alloc(nbytes)
-            elif isinstance(block, str):
-                return block
+                direct = self._direct_block(t, storage, whole, nbytes, stride)
+            if direct is None:
+                block = self._room(st, staging, nbytes, lambda: staging.alloc(nbytes))
+            else:
+                held = lambda: direct if staging.hold(direct) else None  # noqa: E731
+                block = self._room(st, staging, direct.length, held)
             if block is None:
                 return "staging_full"
             extent = io.backend.allocate(block.length)
@@ -187,9 +214,9 @@ class Packer:
             fut.add_done_callback(self._capture_waited)
         return e
 
-    def _direct_block(self, t, storage, whole: bool, nbytes: int, stride, staging: StagingPool):
-        """A DirectBlock for ``t``'s own bytes, "staging_full" when they do not fit the staging
-        budget, or None when ``t`` must be copied into staging (NOTE [Direct capture])."""
+    def _direct_block(self, t, storage, whole: bool, nbytes: int, stride):
+        """A DirectBlock for ``t``'s own bytes (not yet counted against the staging budget), or
+        None when ``t`` must be copied into staging (NOTE [Direct capture])."""
         if whole:
             source = torch.empty(0, dtype=torch.uint8).set_(storage)
         elif tuple(stride) == t.stride():  # a dense view: its bytes start at its data pointer
@@ -199,8 +226,34 @@ class Packer:
             return None
         if source.data_ptr() % t.element_size():  # pragma: no cover - torch aligns storages
             return None
-        block = DirectBlock(source, t, self.io.align)
-        return block if staging.hold(block) else "staging_full"
+        return DirectBlock(source, t, self.io.align)
+
+    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get):
+        """``get()``: a staging block (or a held DirectBlock), or None when staging is full.
+        With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]).
+        Lock held; released while waiting."""
+        seen = staging.frees
+        got = get()
+        cfg = self.io.config
+        if got is not None or cfg.staging_full != "wait" or self._waited_out == st.index:
+            return got
+        if nbytes > staging.capacity:
+            return None  # could never fit: waiting would only add a stall
+        self.seal_all()  # a batch being filled frees its staging only once written
+        io = self.io
+        got, waited = staging.wait_for(get, seen, cfg.staging_wait, io.lock, io.clock)
+        st.stall_seconds += waited
+        st.pack_stall_seconds += waited
+        if got is None:
+            self._waited_out = st.index
+            io.warn_once(
+                "staging-wait",
+                f"tba.pack: staging stayed full for TBA_STAGING_WAIT={cfg.staging_wait:g} s "
+                f"(writes are not keeping up); keeping saved tensors in memory for the rest of "
+                f"step {st.index} (kept_reasons['staging_full']). Raise TBA_STAGING_BYTES or "
+                f"TBA_STAGING_WAIT, or check the spill drive.",
+            )
+        return got
 
     def _refused(self, st: StepState) -> str:
         """The backend refused an extent: returns the kept reason it names (tba/reasons.py)."""
@@ -292,6 +345,8 @@ class Packer:
                 e.hold(io.copy_out(e), from_disk=False)
             io.free_staging(e)
             self.index.bury()
+            if e.want:
+                io.on_host()  # NOTE [Device prefetch]
 
     def _write_failed(self, e: Entry, err: BaseException) -> None:
         """Keep the bytes in memory: a failed write never loses data. A full, removed,

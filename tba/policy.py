@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_parameter_like(t: torch.Tensor, param_storages: frozenset[int] | set[int]) -> bool:
@@ -29,7 +29,7 @@ def is_parameter_like(t: torch.Tensor, param_storages: frozenset[int] | set[int]
 
 def unsupported(t: torch.Tensor) -> bool:
     return (
-        type(t) not in _PLAIN
+        type(t) not in PLAIN_TYPES
         or t.layout is not torch.strided
         or not (t.is_cpu or t.is_cuda)
         or t.numel() == 0

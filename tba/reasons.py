@@ -19,7 +19,8 @@ import errno as _errno
 
 KEPT_REASONS = {
     "small": "it would retain fewer than TBA_MIN_OFFLOAD_BYTES",
-    "unsupported": "not a plain strided CPU or CUDA tensor (sparse, nested, meta, subclass)",
+    "unsupported": "not a plain strided CPU or CUDA tensor (sparse, nested, meta, quantized)",
+    "subclass": "a tensor subclass other than DTensor (e.g. Float8Tensor): kept, with a warning",
     "group": "it belongs to one of the last TBA_KEEP_LAST blocks, which backward needs first",
     "staging_full": "the staging budget (TBA_STAGING_BYTES) was full",
     "quota": "the per-process quota TBA_MAX_DISK_BYTES refused space",

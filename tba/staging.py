@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
+from typing import Any
 
 import torch
 
@@ -62,6 +64,8 @@ class StagingPool:
         self.align = align
         self._alloc = ExtentAllocator(arena.numel(), align)
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self.frees = 0  # blocks given back so far: what a waiting pack watches (wait_freed)
         self.peak = 0  # most bytes of the arena in use
         self.refusals = 0
         self.held = 0  # bytes of DirectBlocks: sources held for their writes (rule 4)
@@ -99,13 +103,54 @@ class StagingPool:
 
     def free(self, block: StagingBlock | DirectBlock) -> None:
         with self._lock:
+            self.frees += 1
+            self._freed.notify_all()
             if isinstance(block, DirectBlock):
                 self.held -= block.length
                 return
             self._alloc.free(block.offset)
         block.base = None  # type: ignore[assignment]
 
+    def wait_freed(self, seen: int, timeout: float) -> bool:
+        """Wait until a block is given back after :attr:`frees` read ``seen``; False when
+        ``timeout`` seconds passed first (TBA_STAGING_FULL=wait)."""
+        with self._lock:
+            return self._freed.wait_for(lambda: self.frees != seen, timeout)
 
+    def wait_for(self, get, seen: int, timeout: float, lock, clock) -> tuple[Any, float]:
+        """Retry ``get()`` (a block, or None) each time a block is given back, for at most
+        ``timeout`` seconds, with ``lock`` (held once by the caller) released while waiting.
+        Returns what ``get`` gave (None: timed out) and the seconds waited, by ``clock``
+        (NOTE [Staging backpressure])."""
+        deadline = time.monotonic() + timeout
+        got, waited = None, 0.0
+        while got is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            lock.release()
+            t0 = clock()
+            try:
+                self.wait_freed(seen, left)
+            finally:
+                waited += clock() - t0
+                lock.acquire()
+            seen = self.frees
+            got = get()
+        return got, waited
+
+
+# NOTE [Staging backpressure]
+# Staging (TBA_STAGING_BYTES: the pinned pool on CUDA; on the CPU also the tensors held for
+# their direct write) fills when writes do not keep up. By default (TBA_STAGING_FULL=keep) a
+# tensor that finds it full stays resident: the forward never waits, and memory grows by what
+# is kept (kept_reasons["staging_full"]). With TBA_STAGING_FULL=wait the pack waits, with the
+# lock released so that write completions can free staging, until a block is given back and
+# its bytes fit, at most TBA_STAGING_WAIT seconds per pack: the memory cap holds at the cost
+# of a stall, counted in ``stall_seconds`` and ``pack_stall_seconds``. Batches being filled
+# are sealed and written first (they free staging only once written). A tensor larger than
+# the whole staging never waits. After one timeout the rest of the step keeps without waiting,
+# so a drive that stopped does not cost a timeout per tensor.
 # NOTE [Direct capture]
 # On the CPU a capture into staging is a memcpy on the training thread (about 0.045 s/GiB: 35 ms
 # of W1's 3.7 s step) and the pool it fills is host memory the process keeps. So a large CPU

@@ -136,6 +136,9 @@ class StepState:
         self.forwarded = 0
         self.sync_loads = 0
         self.stall_seconds = 0.0
+        self.pack_stall_seconds = 0.0  # packs waiting for staging (NOTE [Staging backpressure])
+        self.uploads_ahead = 0  # H2D copies issued ahead of their unpack (NOTE [Device prefetch])
+        self.uploads_at_unpack = 0
         self.peak_resident_bytes = 0
         self.peak_disk_bytes = 0
         self.io_errors = 0
@@ -151,6 +154,7 @@ class StepState:
         self.entries: list[Any] = []  # offloaded entries, for the prefetch plan
         self.plan: list[Any] | None = None
         self.cursor = 0
+        self.deferred: list[Any] = []  # entries passed over while forwardable (NOTE [Forwarding])
         self.backward_started = False  # an entry of this step was unpacked (NOTE [Plan order])
         self.forward_end = 0.0
         self.observed = False  # fed to the keep controller and the trace
@@ -271,6 +275,9 @@ class StepState:
             recomputed_tensors=self.recomputed_tensors,
             recomputed_bytes=self.recomputed_bytes,
             tensors_in_flight=self.unsettled,
+            uploads_ahead=self.uploads_ahead,
+            pack_stall_seconds=self.pack_stall_seconds,
+            uploads_at_unpack=self.uploads_at_unpack,
             forward_seconds=self.forward_seconds,
         )
         return out

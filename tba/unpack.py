@@ -24,7 +24,7 @@ from .errors import StorageError, internal_error
 from .handle import Handle, KeptHandle
 from .index import Index
 from .io import IO
-from .scheduler import Prefetcher
+from .scheduler import DeviceWindow, Prefetcher
 
 log = logging.getLogger("tba")
 
@@ -36,6 +36,11 @@ class Reader:
         self.io = io
         self.index = index
         self.prefetcher = prefetcher
+        budget = io.config.device_prefetch_bytes  # NOTE [Device prefetch]
+        uploading = io.uploading
+        window = DeviceWindow(budget, lambda e: e.device in uploading, self._upload_ahead)
+        prefetcher.device = window
+        io.on_host = window.pump
 
     # -- the unpack hook ----------------------------------------------------------------------
     def unpack(self, h: Handle | KeptHandle | Derived) -> torch.Tensor:
@@ -108,16 +113,33 @@ class Reader:
         e.stat.stall_seconds += waited
         if e.error is not None:
             raise e.error
-        if e.device.type != "cpu":
-            if e.dev_buf is None:
-                adapter, _ = io.device(e.device)
-                e.dev_buf = adapter.to_device(e.host, e.device)
-            return e.dev_buf
-        return e.host
+        adapter, _ = io.device(e.device)
+        if adapter.uploads:
+            if e.upload is None:
+                e.upload = adapter.upload(e.host, e.device)
+                st.uploads_at_unpack += 1
+            return adapter.hand_out(e.upload)
+        return adapter.hand_out(e.host)
+
+    def _upload_ahead(self, e: Entry) -> bool:
+        """The device window's turn for ``e`` (NOTE [Device prefetch]); lock held, any thread."""
+        adapter, _ = self.io.device(e.device)
+        try:
+            e.upload = adapter.upload(e.host, e.device)
+        except RuntimeError as err:  # device memory short now: the unpack copies it later
+            self.io.warn_once(
+                "upload",
+                f"tba.unpack: could not copy a read-back tensor to {e.device} ahead of its use "
+                f"({err}); copying at unpack instead. Lower TBA_DEVICE_PREFETCH_BYTES.",
+            )
+            return False
+        e.step.uploads_ahead += 1
+        return True
 
     def _consume(self, e: Entry) -> None:
         """One use unpacked. After the last use of this backward, drop the read-back bytes."""
         if e.consumed():
+            e.deferred = False  # used: the plan need not read it (NOTE [Forwarding])
             self.drop_read_back(e)
             self.prefetcher.pump()
 
@@ -192,6 +214,7 @@ class Reader:
             if e.batch is None:
                 io.finished(False, e, fut.tba_t0, e.padded)  # type: ignore[attr-defined]
             self.index.bury()
+            io.on_host()
 
     # -- lifetimes ------------------------------------------------------------------------------
     def retire(self, e: Entry) -> None:

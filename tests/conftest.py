@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -10,10 +11,21 @@ import torch
 import tba
 
 
+def no_cuda_reason() -> str:
+    """Why ``gpu``-marked tests skip here, for the GPU check's dry run (README)."""
+    if torch.version.cuda is None:
+        return f"needs a CUDA device: torch {torch.__version__} is a CPU build"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (
+        f"needs a CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none "
+        f"(no GPU or driver{'' if visible is None else f', CUDA_VISIBLE_DEVICES={visible!r}'})"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason=no_cuda_reason())
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -12,7 +12,6 @@ staging or H2D copy is made. The ``gpu``-marked tests at the end run both modes 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 import time
@@ -27,105 +26,7 @@ from tba.device import CpuAdapter, CudaAdapter, adapter_for
 from tba.staging import StagingPool
 from tba.storage.memory import MemoryBackend
 
-
-class FakeStream:
-    def __init__(self, cuda, name):
-        self.cuda = cuda
-        self.name = name
-        self.ops: list = []  # callables, run in order
-        self.done = 0
-        self.waits: list = []  # (event) this stream must see complete before its next ops
-
-    def run_to(self, n):
-        with self.cuda.lock:
-            while self.done < n:
-                op = self.ops[self.done]
-                self.ops[self.done] = None  # finished work holds no tensors, as on a GPU
-                self.done += 1
-                op()
-
-    def enqueue(self, fn):
-        self.ops.append(fn)
-        self.cuda.log.append(("op", self.name))
-
-    def wait_event(self, ev):
-        self.cuda.log.append(("wait_event", self.name, ev.id))
-        self.enqueue(ev.synchronize)
-
-    def wait_stream(self, other):
-        self.cuda.log.append(("wait_stream", self.name, other.name))
-        n = len(other.ops)
-        self.enqueue(lambda: other.run_to(n))
-
-    def synchronize(self):
-        self.run_to(len(self.ops))
-
-
-class FakeEvent:
-    count = 0
-
-    def __init__(self, cuda, blocking=False):
-        FakeEvent.count += 1
-        self.id = FakeEvent.count
-        self.cuda = cuda
-        self.blocking = blocking
-        self.stream = None
-        self.pos = 0
-        self.synced = False
-
-    def record(self, stream):
-        self.stream, self.pos = stream, len(stream.ops)
-        self.cuda.log.append(("record", stream.name, self.id))
-
-    def query(self):
-        return self.stream is not None and self.stream.done >= self.pos
-
-    def synchronize(self):
-        self.synced = True
-        if self.stream is not None:
-            self.stream.run_to(self.pos)
-
-
-class FakeCuda:
-    """The few ``torch.cuda`` names the adapter uses."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.log: list = []
-        self.default = FakeStream(self, "default")
-        self.active = self.default
-        self.created: list[FakeStream] = []
-        self.events: list[FakeEvent] = []
-        self.recorded_streams: list = []  # (tensor, stream) given to record_stream
-
-    def Stream(self, device=None):  # noqa: N802 - mirrors torch.cuda.Stream
-        s = FakeStream(self, f"side{len(self.created)}")
-        self.created.append(s)
-        return s
-
-    def Event(self, blocking=False):  # noqa: N802
-        event = FakeEvent(self, blocking)
-        self.events.append(event)
-        return event
-
-    def current_stream(self, device=None):
-        return self.default
-
-    @contextlib.contextmanager
-    def stream(self, s):
-        prev, self.active = self.active, s
-        try:
-            yield
-        finally:
-            self.active = prev
-
-    def copy(self, dst, src):
-        # Reads the source when the stream runs, not now: a late read sees later changes.
-        self.active.enqueue(lambda: dst.copy_(src))
-
-    def record_stream(self, tensor, stream):
-        self.log.append(("record_stream", stream.name))
-        self.recorded_streams.append((tensor, stream))
+from ._fake_cuda import FakeCuda
 
 
 @pytest.fixture
@@ -135,7 +36,9 @@ def fake():
 
 @pytest.fixture
 def adapter(fake):
-    return CudaAdapter(torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False)
+    return CudaAdapter(
+        torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False, record_stream=fake.record_stream
+    )
 
 
 def test_capture_orders_producer_event_wait_copy_event(adapter, fake):
@@ -171,17 +74,41 @@ def test_to_device_consumer_waits_on_copy(adapter, fake):
     assert adapter._inflight and adapter._inflight[-1][1] is host  # pinned source kept alive
 
 
-def test_side_stream_waits_for_consumer_before_h2d(adapter, fake):
-    adapter.to_device(torch.ones(4, dtype=torch.uint8), torch.device("cpu"))
-    first = next(e for e in fake.log if e[0] in ("wait_stream", "op"))
-    assert first == ("wait_stream", "side0", "default")
+def test_upload_allocates_under_the_side_stream_and_hand_out_records_the_consumer(
+    adapter, fake, monkeypatch
+):
+    """NOTE [CUDA ordering] 4 and 4a: the buffer is made under the side stream (so the copy
+    needs no wait on a consumer that may not exist yet), and recorded on each consumer once."""
+    made = []
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        made.append(fake.active.name)
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(device_mod.torch, "empty", empty)
+    up = adapter.upload(torch.ones(4, dtype=torch.uint8), torch.device("cpu"))
+    monkeypatch.undo()
+    assert made == ["side0"]
+    assert not any(e[0] == "wait_stream" for e in fake.log)
+    assert fake.recorded_streams == []  # nothing uses it yet
+    out = adapter.hand_out(up)
+    adapter.hand_out(up)  # a second use on the same stream: waits again, records once
+    assert out is up.buf and fake.recorded_streams == [(up.buf, fake.default)]
+    waits = [e for e in fake.log if e[0] == "wait_event"]
+    assert waits == [("wait_event", "default", up.event.id)] * 2
 
 
 def offloader_with_fake_cuda(make_offloader, fake, **kw):
+    """An Offloader whose "device" (the CPU) goes through the CUDA adapter over ``fake``; the
+    consumer stream is eager (autograd's CPU kernels use an unpacked tensor at once)."""
+    fake.default.eager = True
     off = make_offloader(**kw)
-    adapter = CudaAdapter(torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False)
+    adapter = CudaAdapter(
+        torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False, record_stream=fake.record_stream
+    )
     arena = adapter.staging_arena(off.config.staging_bytes, off.io.align)
-    off.io.adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.io.align))
+    off.io.add_adapter(torch.device("cpu"), adapter, StagingPool(arena, off.io.align))
     return off
 
 
@@ -282,7 +209,9 @@ def test_consumer_waits_on_the_h2d_copys_event(adapter, fake):
 
 def test_two_captures_in_flight_in_two_staging_blocks(fake):
     """The first capture is written while the second copy is still queued on the side stream."""
-    adapter = CudaAdapter(torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False)
+    adapter = CudaAdapter(
+        torch.device("cpu"), cuda=fake, copy=fake.copy, pin=False, record_stream=fake.record_stream
+    )
     arena = adapter.staging_arena(1 << 20, 4096)
     arena.zero_()
     pool = StagingPool(arena, 4096)
@@ -401,7 +330,7 @@ def test_offloader_in_direct_mode_copies_staged_bytes_on_the_side_stream(
     off = make_offloader(backend="posix")
     adapter = direct
     arena = adapter.staging_arena(off.config.staging_bytes, off.io.align)
-    off.io.adapters[torch.device("cpu")] = (adapter, StagingPool(arena, off.io.align))
+    off.io.add_adapter(torch.device("cpu"), adapter, StagingPool(arena, off.io.align))
     release = threading.Event()
 
     def slow_write(*args):

@@ -19,6 +19,8 @@ import torch.nn as nn
 import tba
 from tba.testing import GPT, GPTConfig, random_batch
 
+from .conftest import step_ctx
+
 CFG = GPTConfig(vocab=64, seq=64, hidden=64, heads=4, layers=4)
 
 
@@ -67,7 +69,10 @@ def test_stats_has_every_pinned_key(make_offloader, model):
     st = off.stats()
     assert set(tba.PINNED_KEYS) <= set(st)
     assert st["saved_bytes"] > 0 and st["bytes_offloaded"] > 0
-    assert st["bytes_reloaded"] == st["bytes_offloaded"]
+    # everything comes back from disk but the targets (4 x 64 int64), alive in grads_of while
+    # backward runs: those are served by the tensor itself, never read (NOTE [Forwarding])
+    assert st["bytes_reloaded"] == st["bytes_offloaded"] - 4 * 64 * 8
+    assert st["forwarded"] == 1
     assert st["peak_resident_bytes"] > 0
     assert st["disk_bytes_in_use"] == 0
 
@@ -437,6 +442,36 @@ def test_concurrent_graphs_keep_their_own_step_stats(make_offloader, model):
     (first + second).backward()
     off.synchronize()
     assert st1 is not st2 and st1.bytes_offloaded > st2.bytes_offloaded > 0
-    assert st1.bytes_reloaded == st1.bytes_offloaded
+    # y itself is alive: served without a read (NOTE [Forwarding]); its slice y[:2] is not
+    assert st1.bytes_reloaded == st1.bytes_offloaded - y.nbytes
     assert st2.bytes_reloaded == st2.bytes_offloaded
     assert off.stats()["step"] == 2 and off.stats()["bytes_offloaded"] == st2.bytes_offloaded
+
+
+def test_tensors_alive_at_backward_are_never_read_back(make_offloader):
+    """NOTE [Forwarding]: saved tensors the caller still holds at backward are served by
+    themselves and never read; those it let go are read back; the bytes read say so."""
+    xs = [torch.randn(1 << 18) for _ in range(4)]  # 1 MiB each: not coalesced
+
+    def run(off):
+        w = torch.ones(1 << 18, requires_grad=True)
+        with step_ctx(off):
+            loss = sum((x.exp() * w).sum() for x in xs[:3])  # saves exp(x): gone after forward
+            held = [x.sin() for x in xs]
+            loss = loss + sum((h * w).sum() for h in held)  # saves each sin(x), held below
+            if off is not None:
+                off.synchronize()
+        del held[3]
+        loss.backward()
+        return w.grad
+
+    want = run(None)
+    off = make_offloader()
+    reads = []
+    real = off.io.read
+    off.io.read = lambda extent, device, e: reads.append(e.nbytes) or real(extent, device, e)
+    assert torch.equal(run(off), want)
+    off.synchronize()
+    st = off.stats()
+    assert st["tensors_offloaded"] == 7 and st["forwarded"] == 3 and st["sync_loads"] == 0
+    assert len(reads) == 4 and st["bytes_reloaded"] == sum(reads) == 4 * (1 << 20)

@@ -57,6 +57,13 @@ class FakeEntry:
         self.host = None
         self.budgeted = 0
         self.want = False
+        self.alive = False  # an original is alive (NOTE [Forwarding])
+        self.dev_budgeted = 0
+        self.reading = None
+        self.deferred = False
+
+    def originals_alive(self):
+        return self.alive
 
 
 def test_prefetch_reverse_order_within_budget():
@@ -72,6 +79,27 @@ def test_prefetch_reverse_order_within_budget():
     p.give_back(started[0])
     p.pump()
     assert [e.seq for e in started] == [6, 5, 4, 3]
+
+
+def test_prefetch_passes_over_live_originals_and_reads_them_once_they_die():
+    started = []
+    p = Prefetcher(budget=300, start=started.append)
+    st = StepState(1)
+    entries = [FakeEntry(seq, 100) for seq in range(1, 5)]
+    entries[3].alive = entries[2].alive = True  # backward's first two: forwarded, never read
+    st.entries = list(entries)
+    p.arm(st)
+    # the window is that of a plan without forwarding (4, 3, 2), but only 2 is read
+    assert [e.seq for e in started] == [2] and p.inflight == 300
+    assert [e.seq for e in st.deferred] == [4, 3]
+    entries[2].alive = False  # seq 3's original died: read at the next pump, in its budget
+    p.pump()
+    assert [e.seq for e in started] == [2, 3] and [e.seq for e in st.deferred] == [4]
+    entries[3].deferred = False  # unpacked (forwarded): forgotten, even once its original dies
+    entries[3].alive = False
+    p.give_back(entries[3])
+    p.pump()
+    assert [e.seq for e in started] == [2, 3, 1] and p.plans == []
 
 
 def test_prefetch_always_allows_one_entry_and_defers_writing_ones():

@@ -51,10 +51,32 @@ def test_a_live_original_is_forwarded_without_a_read(core):
     st = c.begin()
     x = torch.randn(4096)
     h = c.pack(x, st)
-    c.end(st, prefetch=False)  # (the Prefetcher itself does not yet skip live originals)
+    c.end(st)  # the plan is armed: it must pass over x, whose original is alive (NOTE [Forwarding])
     c.settle()
+    assert c.backend.usage()["reads"] == 0 and c.index.resident == 0
     assert c.unpack(h) is x
-    assert st.forwarded == 1 and st.bytes_reloaded == 0
+    assert st.forwarded == 1 and st.bytes_reloaded == 0 and st.sync_loads == 0
+    assert c.backend.usage()["reads"] == 0
+
+
+def test_an_original_that_dies_after_the_forward_is_read_ahead_of_its_unpack(core):
+    c = core()
+    st = c.begin()
+    xs = [torch.randn(4096) for _ in range(3)]
+    want = [x.clone() for x in xs]
+    hs = [c.pack(x, st) for x in xs]
+    c.end(st)
+    c.settle()
+    assert c.backend.usage()["reads"] == 0  # all three alive: nothing read
+    first = xs.pop()  # backward's first tensor stays alive; the other two die now
+    del xs
+    gc.collect()
+    assert c.unpack(hs[2]) is first  # forwarded; this unpack's pump reads the two others
+    c.settle()
+    assert c.backend.usage()["reads"] == 2
+    assert [torch.equal(c.unpack(h), w) for h, w in zip(hs[1::-1], want[1::-1])] == [True] * 2
+    assert st.sync_loads == 0 and st.forwarded == 1 and st.bytes_reloaded == 2 * 4096 * 4
+    assert c.backend.usage()["reads"] == 2  # the forwarded one was never read
 
 
 def test_prefetched_reads_serve_unpack(core):

@@ -56,6 +56,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+            off.synchronize()  # a step's writes are counted once they land (NOTE [Counted once])
             s = off.stats()
             for k in COUNTERS:
                 sums[k] += s[k]

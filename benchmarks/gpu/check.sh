@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU check (README, "The GPU check"): one command for a bare GPU machine with no network
+# whose python already has torch with CUDA. In order, each step timed and logged:
+#   1. install tba from this checkout without fetching anything (builds the native engine);
+#      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
+#   2. pytest -m gpu: every CUDA and kvikio test (kvikio's skip when it does not import);
+#   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
+#   4. tba doctor --json;
+#   5. the CPU suite on this machine's torch (not the integrations: their frameworks are not
+#      installed here), with the time left of the 20 minutes.
+# Writes $OUT_DIR/check.json (every step's status, seconds and result) and
+# $OUT_DIR/summary.txt. Exit status: 0 when every step that ran passed.
+#
+#   benchmarks/gpu/check.sh            # on the GPU machine (make gpu-check)
+#   benchmarks/gpu/check.sh --dry      # anywhere, < 1 min: collects the GPU tests and prints
+#                                      # why each skips, runs the benchmark on a tiny model
+# Environment: PYTHON (default python3), OUT_DIR (default gpu-check-out), TBA_SPILL_DIR (the
+# spill dir for tests and benchmark; default: a temporary dir), BUDGET_S (default 1200).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+DRY=0
+[ "${1:-}" = "--dry" ] && DRY=1
+OUT_DIR=${OUT_DIR:-gpu-check-out}
+BUDGET_S=${BUDGET_S:-1200}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOG="$OUT_DIR/log.txt"
+: >"$LOG"
+STEPS="$OUT_DIR/steps.jsonl"
+: >"$STEPS"
+START=$SECONDS
+export PYTHONUNBUFFERED=1
+if [ -z "${TBA_SPILL_DIR:-}" ]; then
+    TBA_SPILL_DIR=$(mktemp -d /var/tmp/tba-gpu-check.XXXXXX)
+    trap 'rm -rf "$TBA_SPILL_DIR"' EXIT  # ours: leave nothing behind
+fi
+export TBA_SPILL_DIR
+
+# run NAME TIMEOUT CMD...: runs CMD (output to the log and to NAME.txt), records the result
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS rc
+    echo "== $name: $*" | tee -a "$LOG"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT_DIR/$name.txt" 2>&1
+    rc=$?
+    tail -n 40 "$OUT_DIR/$name.txt" | tee -a "$LOG"
+    printf '{"step": "%s", "rc": %d, "seconds": %d, "timed_out": %s}\n' "$name" "$rc" \
+        "$((SECONDS - t0))" "$([ $rc -eq 124 ] && echo true || echo false)" >>"$STEPS"
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+    return 0
+}
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+if [ $DRY -eq 1 ]; then
+    # Dry mode (CI, no GPU): the tree's own tba; the GPU tests are collected and each skip's
+    # reason printed; the benchmark runs its tiny model; no install, no CPU suite.
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
+    run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    run doctor 60 "$PY" -m tba.cli doctor --json --probe-bytes 16MiB
+else
+    run install 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+    if ! (cd /tmp && "$PY" -c "import tba, os, sys; sys.exit(tba.__file__.startswith('$PWD/') is False)"); then
+        # pip could not install here (a read-only environment, no setuptools): use the tree
+        # as it is; without a built engine `auto` picks posix (tba doctor says why)
+        echo "== install: not importable from the checkout; using PYTHONPATH=$PWD" | tee -a "$LOG"
+        export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    if [ -n "${KVIKIO_WHEELS:-}" ]; then
+        run kvikio_install 120 "$PY" -m pip install --no-deps --no-index "$KVIKIO_WHEELS"/*.whl
+    fi
+    if ! "$PY" -c "import pytest" 2>/dev/null; then
+        echo "== pytest does not import: carry its wheels (README, The GPU check)" | tee -a "$LOG"
+        printf '{"step": "pytest_missing", "rc": 1, "seconds": 0, "timed_out": false}\n' >>"$STEPS"
+    fi
+    run gpu_tests "$(( $(left) > 400 ? 400 : $(left) ))" "$PY" -m pytest -m gpu -rs -q \
+        -p no:cacheprovider tests
+    run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
+        --json "$OUT_DIR/bench.json"
+    run doctor 90 "$PY" -m tba.cli doctor --json
+    run cpu_suite "$(( $(left) > 60 ? $(left) - 30 : 30 ))" "$PY" -m pytest -q -x \
+        -p no:cacheprovider -m "not gpu and not integration" --ignore=tests/integrations \
+        --ignore=tests/faults tests
+fi
+"$PY" benchmarks/gpu/summarize.py "$OUT_DIR" "$DRY" "$((SECONDS - START))"

@@ -1,0 +1,89 @@
+"""Gathers the GPU check's steps (benchmarks/gpu/check.sh) into check.json and summary.txt.
+
+    python benchmarks/gpu/summarize.py OUT_DIR DRY SECONDS
+
+Exit status 1 when a step failed or timed out, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_result(text: str) -> dict:
+    """Counts from pytest's closing line, and each skip's reason (from -rs)."""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", text)}
+    skips = re.findall(r"^SKIPPED \[(\d+)\] ([^:]+(?::\d+)?): (.*)$", text, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    return {
+        "counts": counts,
+        "skips": [{"n": int(n), "where": w, "why": why} for n, w, why in skips],
+        "failed": failed,
+    }
+
+
+def read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def main() -> int:
+    out_dir, dry, seconds = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+    steps = [json.loads(line) for line in read(os.path.join(out_dir, "steps.jsonl")).splitlines()]
+    report: dict = {"dry": dry, "seconds": seconds, "steps": steps}
+    for name in ("gpu_tests", "cpu_suite"):
+        path = os.path.join(out_dir, f"{name}.txt")
+        if os.path.exists(path):
+            report[name] = pytest_result(read(path))
+    bench = os.path.join(out_dir, "bench.json")
+    if os.path.exists(bench):
+        report["bench"] = json.loads(read(bench))
+    doctor = os.path.join(out_dir, "doctor.txt")
+    if os.path.exists(doctor):
+        try:
+            report["doctor"] = json.loads(read(doctor))
+        except ValueError:
+            report["doctor"] = {"unparsed": read(doctor)[-2000:]}
+    ok = all(s["rc"] == 0 for s in steps)
+    report["ok"] = ok
+    with open(os.path.join(out_dir, "check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [
+        f"tba GPU check{' (dry run: no GPU used)' if dry else ''}: "
+        f"{'PASS' if ok else 'FAIL'} in {seconds} s",
+    ]
+    for s in steps:
+        state = "ok" if s["rc"] == 0 else ("TIMED OUT" if s["timed_out"] else f"rc={s['rc']}")
+        lines.append(f"  {s['step']:<15} {state:<10} {s['seconds']:>5} s")
+    for name in ("gpu_tests", "cpu_suite"):
+        r = report.get(name)
+        if r is None:
+            continue
+        counts = ", ".join(f"{n} {k}" for k, n in r["counts"].items())
+        lines.append(f"{name}: {counts or 'no result line'}")
+        lines += [f"  FAILED {f}" for f in r["failed"]]
+        lines += [f"  skipped {s['n']} at {s['where']}: {s['why']}" for s in r["skips"]]
+    if "bench" in report:
+        from bench_gpu import summary
+
+        lines += ["bench_gpu:", *("  " + ln for ln in summary(report["bench"]).splitlines())]
+    doc = report.get("doctor")
+    if isinstance(doc, dict) and "usable" in doc:
+        backend = doc.get("backend")
+        name = backend.get("name") if isinstance(backend, dict) else backend
+        lines.append(f"tba doctor: usable={doc['usable']}, backend {name}")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+        f.write(text)
+    print(text, end="")
+    print(f"written: {out_dir}/check.json, {out_dir}/summary.txt")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""NOTE [Staging backpressure]: TBA_STAGING_FULL=keep|wait, on the Packer alone (tests/_core.py)
+with writes held at a gate, so "staging is full" is a fact and not a race."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tba
+
+from ._core import Core, GatedBackend
+
+KIB = 1 << 10
+
+
+@pytest.fixture
+def core():
+    made = []
+
+    def make(**cfg) -> Core:
+        cfg.setdefault("staging_bytes", "1MiB")
+        c = Core(lambda cfg: GatedBackend(cfg, ("write",)), **cfg)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.backend.open()
+        c.close()
+
+
+def three(c: Core):
+    """Packs three 512 KiB tensors: with the first's write held, the second does not fit the
+    1 MiB staging (each takes 512 KiB plus up to a page: NOTE [Direct capture])."""
+    st = c.begin()
+    xs = [torch.randn(128 * KIB) for _ in range(3)]
+    hs = [c.pack(x, st) for x in xs]
+    return st, xs, hs
+
+
+def test_keep_is_the_default_and_never_waits(core):
+    c = core()
+    assert c.config.staging_full == "keep"
+    st, xs, hs = three(c)
+    assert st.kept_reasons["staging_full"] == 2 and st.pack_stall_seconds == 0
+
+
+def test_wait_blocks_until_a_write_frees_staging_and_keeps_the_cap(core):
+    c = core(staging_full="wait", staging_wait=30)
+    pool = c.io.device(torch.device("cpu"))[1]
+    in_use = []
+    real_hold = pool.hold
+
+    def hold(block):
+        ok = real_hold(block)
+        in_use.append(pool.in_use)
+        return ok
+
+    pool.hold = hold
+    opened = threading.Timer(0.2, c.backend.open)  # the drive catches up 0.2 s later
+    t0 = time.monotonic()
+    opened.start()
+    st, xs, hs = three(c)
+    waited = time.monotonic() - t0
+    opened.join()
+    assert waited >= 0.2  # the second pack waited for the first write
+    assert st.kept_reasons.get("staging_full", 0) == 0
+    assert max(in_use) <= pool.capacity  # the cap held
+    assert st.pack_stall_seconds > 0 and st.stall_seconds >= st.pack_stall_seconds
+    c.end(st)
+    c.settle()
+    want = [x.clone() for x in xs]
+    del xs
+    assert all(torch.equal(c.unpack(h), w) for h, w in zip(reversed(hs), reversed(want)))
+    assert st.tensors_offloaded == 3
+
+
+def test_a_timeout_keeps_the_tensor_and_the_rest_of_the_step_does_not_wait(core, caplog):
+    c = core(staging_full="wait", staging_wait="100ms")
+    pool = c.io.device(torch.device("cpu"))[1]
+    waits = []
+    real_wait = pool.wait_freed
+    pool.wait_freed = lambda seen, left: waits.append(left) or real_wait(seen, left)
+    t0 = time.monotonic()
+    st, xs, hs = three(c)  # the gate stays shut: the second pack times out
+    assert time.monotonic() - t0 >= 0.1
+    assert len(waits) == 1  # one timeout, not one per tensor: the third did not wait
+    assert st.kept_reasons["staging_full"] == 2 and st.pack_stall_seconds > 0
+    assert "TBA_STAGING_WAIT=0.1 s" in caplog.text
+    c.backend.open()
+    c.settle()
+    c.end(st)
+    want = [x.clone() for x in xs]
+    del xs
+    assert all(torch.equal(c.unpack(h), w) for h, w in zip(reversed(hs), reversed(want)))
+    st2 = c.begin()  # the next step waits again
+    assert c.packer._waited_out == st.index != st2.index
+
+
+def test_a_tensor_larger_than_staging_never_waits(core):
+    c = core(staging_full="wait", staging_wait=30)
+    st = c.begin()
+    t0 = time.monotonic()
+    c.pack(torch.randn(512 * KIB), st)  # 2 MiB > the 1 MiB staging
+    assert time.monotonic() - t0 < 5 and st.kept_reasons["staging_full"] == 1
+
+
+def test_bad_values_are_config_errors():
+    with pytest.raises(tba.ConfigError, match="TBA_STAGING_FULL='block'"):
+        tba.Config(environ={"TBA_STAGING_FULL": "block"})
+    with pytest.raises(tba.ConfigError, match="TBA_STAGING_WAIT='0'.*more than 0 seconds"):
+        tba.Config(environ={"TBA_STAGING_WAIT": "0"})
+    cfg = tba.Config(environ={"TBA_STAGING_FULL": "WAIT", "TBA_STAGING_WAIT": "250ms"})
+    assert cfg.staging_full == "wait" and cfg.staging_wait == 0.25
