@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adaptive import DepthController, KeepController
+from .adaptive import DEFAULT_BUDGET_SHARE, DepthController, KeepController, PolicyController
 from .config import Config
 from .errors import UsageError
 from .hook import OffloadHooks
@@ -28,6 +28,7 @@ from .io import IO, check_host_memory
 from .metrics import RankMetrics
 from .pack import Packer
 from .policy import Policy
+from .recompute import Recompute
 from .scheduler import GroupTracker, Prefetcher
 from .step import StepState
 from .trace import TraceWriter
@@ -80,6 +81,11 @@ class Offloader:
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
         self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
+        self.policy = PolicyController(config.policy, config.block_policy)
+        self.groups.recompute = Recompute(self.packer.count_hidden, self._recomputing)
+        self.groups.default_action = self.policy.default_action()
+        self.groups.lead_kept = config.policy == "keep"
+        self._logged_policy: list[str] | None = None
         self._trace: TraceWriter | None = None
         if config.trace:
             meta = {"pid": os.getpid(), "rank": config.rank, "backend": backend.name}
@@ -112,6 +118,7 @@ class Offloader:
             self._publish(settle=True)
             self.io.trim()  # forward runs without last backward's spare read buffers
             self.groups.keep_last = self.keeper.k
+            self.groups.assignment = self.policy.assignment()
             self._steps += 1
             st = StepState(self._steps)
             self._current = st
@@ -119,6 +126,7 @@ class Offloader:
             if model is not None:
                 self.packer.param_storages = _model_storages(model)
             self.groups.begin(st, model)
+            self._log_policy(st)
         try:
             with OffloadHooks(self.packer, self.reader, st):
                 yield self
@@ -147,6 +155,8 @@ class Offloader:
             out["keep_last"] = self.keeper.k
             out["keep_decision"] = dict(self.keeper.decision)
             out["prefetch_decision"] = dict(self.depth.decision)
+            out["policy"] = self.config.policy
+            out["policy_decision"] = dict(self.policy.decision)
             out["resident_bytes"] = self.index.resident
             out["prefetch_inflight_bytes"] = self.prefetcher.inflight
             out["live_entries"] = len(self.io.live)
@@ -203,6 +213,7 @@ class Offloader:
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
         self.keeper.observe(st.index, records, w, r, kept_from, self.groups.max_keep(n))
         self.depth.observe(st.index, records, r, st.largest_read())
+        self.policy.observe(st.index, records, w, r, self._memory_budget, self.depth.depth)
         self.prefetcher.budget = self.keeper.prefetch = self.depth.depth
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
@@ -223,8 +234,34 @@ class Offloader:
                     "read_bps": r,
                     "keep_last": st.keep_last,
                     "keep_decision": self.keeper.decision,
+                    "group_policy": st.group_policy,
+                    "recomputed_groups": st.recomputed_groups,
+                    "policy_decision": self.policy.decision,
                 },
             )
+
+    def _memory_budget(self, saved_bytes: int) -> int | None:
+        """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
+        ``saved_bytes``. Until TBA_MEMORY_BUDGET exists: DEFAULT_BUDGET_SHARE of them."""
+        return int(DEFAULT_BUDGET_SHARE * saved_bytes)
+
+    def _log_policy(self, st: StepState) -> None:
+        """Log the per-block actions once per change (lock held)."""
+        if st.group_policy and st.group_policy != self._logged_policy:
+            self._logged_policy = list(st.group_policy)
+            log.info(
+                "tba: step %d block actions (TBA_POLICY=%s): %s",
+                st.index,
+                self.config.policy,
+                ",".join(st.group_policy),
+            )
+
+    def _recomputing(self, st: StepState, stat: Any) -> None:
+        """Backward recomputes a block of ``st``: what is resident now plus what the block
+        saves is the step's peak with recompute (NOTE [Block policy])."""
+        with self.io.lock:
+            now = self.index.resident + stat.hidden_bytes
+            st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
 
     def _publish(self, settle: bool) -> None:
         """Push counters and gauges to the metrics (NOTE [Metrics] in tba/metrics.py). With

@@ -19,6 +19,7 @@ KEPT_REASONS = {
     "small": "it would retain fewer than TBA_MIN_OFFLOAD_BYTES",
     "unsupported": "not a plain strided CPU or CUDA tensor (sparse, nested, meta, subclass)",
     "group": "it belongs to one of the last TBA_KEEP_LAST blocks, which backward needs first",
+    "recompute": "an input of a block tba recomputes in backward (checkpointing keeps it)",
     "staging_full": "the staging budget (TBA_STAGING_BYTES) was full",
     "quota": "the per-process quota TBA_MAX_DISK_BYTES refused space",
     "disk_full": "the filesystem is full, or below the TBA_MIN_FREE_BYTES floor",
