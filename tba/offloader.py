@@ -126,7 +126,6 @@ class Offloader:
             if model is not None:
                 self.packer.param_storages = _model_storages(model)
             self.groups.begin(st, model)
-            self._log_policy(st)
         try:
             with OffloadHooks(self.packer, self.reader, st):
                 yield self
@@ -135,6 +134,7 @@ class Offloader:
                 self.index.bury()
                 self.packer.seal_all()
                 self.groups.end()
+                self._log_policy(st)
                 st.finish_forward()
                 self._active_thread = None
                 self.packer.param_storages = frozenset()
@@ -246,7 +246,7 @@ class Offloader:
         return int(DEFAULT_BUDGET_SHARE * saved_bytes)
 
     def _log_policy(self, st: StepState) -> None:
-        """Log the per-block actions once per change (lock held)."""
+        """Log the per-block actions a forward ran with, once per change (lock held)."""
         if st.group_policy and st.group_policy != self._logged_policy:
             self._logged_policy = list(st.group_policy)
             log.info(
