@@ -256,8 +256,8 @@ class PolicyController:
         r = read_bps or self.bandwidth[1]
         self.bandwidth = (w, r)
         groups, fixed = self._costs(records)
-        if self.policy != "auto" or not groups or not w or not r:
-            return
+        if self.policy != "auto" or not any(g.block for g in groups) or not w or not r:
+            return  # without a model's blocks (pack-order windows), auto is offload
         base = sum(g.fwd + g.bwd for g in groups)
         stalled = sum(x["stall_seconds"] for x in records)
         drifted = self.basis is None or any(

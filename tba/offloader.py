@@ -125,6 +125,13 @@ class Offloader:
             self.metrics.track(st)
             if model is not None:
                 self.packer.param_storages = _model_storages(model)
+            elif self.config.policy in ("recompute", "auto") or self.config.block_policy:
+                self.io.warn_once(
+                    "policy-without-model",
+                    f"tba.offloader: TBA_POLICY={self.config.policy} (like TBA_BLOCK_POLICY) acts "
+                    "on blocks, which come from the model: pass it, `with off.step(model):`. "
+                    "Without it, saved tensors are offloaded (TBA_POLICY=offload).",
+                )
             self.groups.begin(st, model)
         try:
             with OffloadHooks(self.packer, self.reader, st):

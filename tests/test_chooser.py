@@ -153,3 +153,11 @@ def test_controller_forced_blocks_and_fixed_policies():
         fixed = PolicyController(policy, None)
         fixed.observe(1, records(["offload"] * 6), 20e6, 20e6, lambda s: s // 3, 64 * MiB)
         assert fixed.default_action() == action and fixed.assignment() is None
+
+
+def test_controller_without_blocks_stays_offload():
+    """Without a model (pack-order windows) there is nothing to recompute: auto is offload."""
+    ctl = PolicyController("auto", None)
+    windows = [x for x in records([]) if not x["action"]] * 3
+    ctl.observe(1, windows, 20e6, 20e6, lambda s: s // 3, 64 * MiB)
+    assert ctl.assignment() is None and "actions" not in ctl.decision

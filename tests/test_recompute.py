@@ -124,3 +124,18 @@ def test_policy_from_env_and_default():
     assert tba.Config(environ={"TBA_POLICY": "Auto"}).policy == "auto"
     with pytest.raises(tba.ConfigError, match="TBA_POLICY"):
         tba.Config(environ={"TBA_POLICY": "swap"})
+
+
+def test_policy_without_a_model_warns_once_and_offloads(make_offloader, caplog):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(policy="recompute")
+    with caplog.at_level("WARNING", logger="tba"):
+        for seed in range(2):
+            with off.step():
+                loss = model(*random_batch(CFG, 4, seed=seed))
+            loss.backward()
+    warned = [r.getMessage() for r in caplog.records if "TBA_POLICY=recompute" in r.getMessage()]
+    assert len(warned) == 1 and "off.step(model)" in warned[0]
+    st = off.stats()
+    assert st["group_policy"] == [] and st["tensors_offloaded"] > 0
