@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -59,3 +60,10 @@ def machine_line(spill_dir: str) -> str:
         f"{_disk(spill_dir)}), python {platform.python_version()}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), commit {_commit()}"
     )
+
+
+def dump_json(path: str | None, spill_dir: str, **parts) -> None:
+    """Write ``{"machine": machine_line(spill_dir), **parts}`` to ``path`` (None: nothing)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine_line(spill_dir), **parts}, f, indent=2)

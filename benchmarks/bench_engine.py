@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import machine_line  # noqa: E402
+from _machine import dump_json, machine_line  # noqa: E402
 
 from tba._memory import aligned_empty, as_memoryview  # noqa: E402
 from tba.coalesce import Batch, batch_bytes  # noqa: E402
@@ -347,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cpu:>9.3f} {med / ref:>10.2f} {paired:>6.2f} {med / top:>16.2f}"
         )
     print(f"\nelapsed {time.perf_counter() - t_start:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(args.spill_dir), "results": summary}, f, indent=2)
+    dump_json(args.json, args.spill_dir, results=summary)
     return 0
 
 

@@ -227,3 +227,45 @@ def _optional_rank(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     return _count(0)(value)
+
+
+POLICIES = ("auto", "offload", "recompute", "keep")
+BLOCK_ACTIONS = ("keep", "offload", "recompute")
+_BLOCK_POLICY_HELP = (
+    "per-block actions, keep|offload|recompute: a list in block order such as "
+    "'recompute,offload,recompute', or 'index:action' pairs such as '0:recompute,2:keep' "
+    "(in Python also a list or a dict {index: action})"
+)
+
+
+def _block_policy(value: Any) -> tuple[tuple[int, str], ...] | None:
+    """TBA_BLOCK_POLICY: forced per-block actions, as sorted ``(block index, action)`` pairs."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        if all(":" in p for p in parts):
+            pairs = [tuple(x.strip() for x in p.split(":", 1)) for p in parts]
+        elif any(":" in p for p in parts):
+            raise ValueParseError(value, _BLOCK_POLICY_HELP)
+        else:
+            pairs = list(enumerate(parts))
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        pairs = [tuple(v) for v in value] if value and isinstance(value[0], tuple) else None
+        pairs = pairs if pairs is not None else list(enumerate(value))
+    else:
+        raise ValueParseError(value, _BLOCK_POLICY_HELP)
+    out: dict[int, str] = {}
+    for i, action in pairs:
+        try:
+            index = _count(0)(i)
+        except ValueParseError:
+            raise ValueParseError(value, _BLOCK_POLICY_HELP) from None
+        if not isinstance(action, str) or action.strip().lower() not in BLOCK_ACTIONS:
+            raise ValueParseError(value, _BLOCK_POLICY_HELP)
+        if index in out:
+            raise ValueParseError(value, _BLOCK_POLICY_HELP + f"; block {index} is named twice")
+        out[index] = action.strip().lower()
+    return tuple(sorted(out.items())) or None

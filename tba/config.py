@@ -18,6 +18,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._config_values import (
+    BLOCK_ACTIONS,
+    POLICIES,
+    _block_policy,
     _bool,
     _choice,
     _count,
@@ -36,7 +39,16 @@ from ._config_values import (
 )
 from .errors import ConfigError, ValueParseError
 
-__all__ = ["Config", "parse_size", "format_size", "environment", "BACKENDS", "CHECKSUMS"]
+__all__ = [
+    "Config",
+    "parse_size",
+    "format_size",
+    "environment",
+    "BACKENDS",
+    "BLOCK_ACTIONS",
+    "CHECKSUMS",
+    "POLICIES",
+]
 
 BACKENDS = ("auto", "native", "posix", "kvikio", "buffered", "memory")
 CHECKSUMS = ("auto", "off", "xxh3", "crc32", "crc32c", "xxh64")
@@ -153,6 +165,24 @@ _FIELDS: dict[str, _Field] = {
         "The last K groups (blocks) of the forward stay resident: backward needs them first. "
         "'auto' (default) chooses K from the measured compute time and disk bandwidth, so "
         "writes finish and reads arrive in time; a number fixes it (0 keeps none).",
+    ),
+    "policy": _Field(
+        "TBA_POLICY",
+        _choice(POLICIES),
+        "offload",
+        "What happens to each block's saved tensors (NOTE [Block policy] in tba/recompute.py). "
+        "offload (default, today's behaviour): written to disk, the last TBA_KEEP_LAST blocks "
+        "kept; recompute: every block runs under activation checkpointing, chosen at run time; "
+        "keep: nothing written; auto: keep, offload or recompute per block, chosen from "
+        "measured compute time, bandwidth and the memory budget (NOTE [Chooser]).",
+    ),
+    "block_policy": _Field(
+        "TBA_BLOCK_POLICY",
+        _block_policy,
+        None,
+        "Force the action of some blocks, whatever TBA_POLICY chooses: a list in block order, "
+        "e.g. recompute,offload,recompute, or index:action pairs, e.g. 0:recompute,5:keep. "
+        "Blocks not named follow TBA_POLICY. For tests and experiments.",
     ),
     "max_disk_bytes": _Field(
         "TBA_MAX_DISK_BYTES",
@@ -306,6 +336,8 @@ class Config:
     staging_full: str = _UNSET
     staging_wait: float = _UNSET
     keep_last: int | str = _UNSET
+    policy: str = _UNSET
+    block_policy: tuple[tuple[int, str], ...] | None = _UNSET
     max_disk_bytes: int | None = _UNSET
     node_max_disk_bytes: int | None = _UNSET
     ssd_tbw: float | None = _UNSET

@@ -21,6 +21,10 @@ from .unpack import Reader
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks bound to one Packer, one Reader and one step."""
 
+    tba_offload_hooks = (
+        True  # how tba.recompute tells tba's hooks from others' (NOTE [Block policy])
+    )
+
     def __init__(self, packer: Packer, reader: Reader, step: StepState):
         self.packer = packer
         self.reader = reader

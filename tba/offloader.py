@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adaptive import DepthController, KeepController
+from .adaptive import DEFAULT_BUDGET_SHARE, DepthController, KeepController, PolicyController
 from .config import Config
 from .errors import UsageError
 from .hook import OffloadHooks
@@ -28,6 +28,7 @@ from .io import IO, check_host_memory
 from .metrics import RankMetrics
 from .pack import Packer
 from .policy import Policy
+from .recompute import Recompute
 from .scheduler import GroupTracker, Prefetcher
 from .step import StepState
 from .subclass import plain
@@ -81,6 +82,11 @@ class Offloader:
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
         self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
+        self.policy = PolicyController(config.policy, config.block_policy)
+        self.groups.recompute = Recompute(self.packer.count_hidden, self._recomputing)
+        self.groups.default_action = self.policy.default_action()
+        self.groups.lead_kept = config.policy == "keep"
+        self._logged_policy: list[str] | None = None
         self._trace: TraceWriter | None = None
         if config.trace:
             meta = {"pid": os.getpid(), "rank": config.rank, "backend": backend.name}
@@ -113,12 +119,20 @@ class Offloader:
             self._publish(settle=True)
             self.io.trim()  # forward runs without last backward's spare read buffers
             self.groups.keep_last = self.keeper.k
+            self.groups.assignment = self.policy.assignment()
             self._steps += 1
             st = StepState(self._steps)
             self._current = st
             self.metrics.track(st)
             if model is not None:
                 self.packer.param_storages = _model_storages(model)
+            elif self.config.policy in ("recompute", "auto") or self.config.block_policy:
+                self.io.warn_once(
+                    "policy-without-model",
+                    f"tba.offloader: TBA_POLICY={self.config.policy} (like TBA_BLOCK_POLICY) acts "
+                    "on blocks, which come from the model: pass it, `with off.step(model):`. "
+                    "Without it, saved tensors are offloaded (TBA_POLICY=offload).",
+                )
             self.groups.begin(st, model)
         try:
             with OffloadHooks(self.packer, self.reader, st):
@@ -128,6 +142,7 @@ class Offloader:
                 self.index.bury()
                 self.packer.seal_all()
                 self.groups.end()
+                self._log_policy(st)
                 st.finish_forward()
                 self._active_thread = None
                 self.packer.param_storages = frozenset()
@@ -148,6 +163,8 @@ class Offloader:
             out["keep_last"] = self.keeper.k
             out["keep_decision"] = dict(self.keeper.decision)
             out["prefetch_decision"] = dict(self.depth.decision)
+            out["policy"] = self.config.policy
+            out["policy_decision"] = dict(self.policy.decision)
             out["resident_bytes"] = self.index.resident
             out["prefetch_inflight_bytes"] = self.prefetcher.inflight
             out["live_entries"] = len(self.io.live)
@@ -204,6 +221,7 @@ class Offloader:
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
         self.keeper.observe(st.index, records, w, r, kept_from, self.groups.max_keep(n))
         self.depth.observe(st.index, records, r, st.largest_read())
+        self.policy.observe(st.index, records, w, r, self._memory_budget, self.depth.depth)
         self.prefetcher.budget = self.keeper.prefetch = self.depth.depth
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
@@ -224,8 +242,34 @@ class Offloader:
                     "read_bps": r,
                     "keep_last": st.keep_last,
                     "keep_decision": self.keeper.decision,
+                    "group_policy": st.group_policy,
+                    "recomputed_groups": st.recomputed_groups,
+                    "policy_decision": self.policy.decision,
                 },
             )
+
+    def _memory_budget(self, saved_bytes: int) -> int | None:
+        """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
+        ``saved_bytes``. Until TBA_MEMORY_BUDGET exists: DEFAULT_BUDGET_SHARE of them."""
+        return int(DEFAULT_BUDGET_SHARE * saved_bytes)
+
+    def _log_policy(self, st: StepState) -> None:
+        """Log the per-block actions a forward ran with, once per change (lock held)."""
+        if st.group_policy and st.group_policy != self._logged_policy:
+            self._logged_policy = list(st.group_policy)
+            log.info(
+                "tba: step %d block actions (TBA_POLICY=%s): %s",
+                st.index,
+                self.config.policy,
+                ",".join(st.group_policy),
+            )
+
+    def _recomputing(self, st: StepState, stat: Any) -> None:
+        """Backward recomputes a block of ``st``: what is resident now plus what the block
+        saves is the step's peak with recompute (NOTE [Block policy])."""
+        with self.io.lock:
+            now = self.index.resident + stat.hidden_bytes
+            st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
 
     def _publish(self, settle: bool) -> None:
         """Push counters and gauges to the metrics (NOTE [Metrics] in tba/metrics.py). With

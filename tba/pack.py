@@ -126,6 +126,21 @@ class Packer:
                 )
         return t
 
+    def count_hidden(self, t: torch.Tensor, st: StepState) -> int:
+        """Count a tensor a recomputed block saves inside its checkpoint (tba never holds it)
+        in ``saved_bytes``, once per storage; returns the bytes added (NOTE [Block policy])."""
+        if unsupported(t) or is_parameter_like(t, self.param_storages):
+            return 0
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        with self.io.lock:
+            ref = st.seen.get(cdata)
+            if ref is not None and ref.expired():  # freed, and a new storage at its address
+                del st.seen[cdata]
+            before = st.saved_bytes
+            st.see(storage, cdata, storage.nbytes())
+            return st.saved_bytes - before
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq

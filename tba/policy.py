@@ -43,11 +43,12 @@ class Policy:
     def __init__(self, min_offload_bytes: int):
         self.min_offload_bytes = min_offload_bytes
 
-    def keep_reason(self, retained_bytes: int, group_kept: bool) -> str | None:
+    def keep_reason(self, retained_bytes: int, group_kept: bool | str) -> str | None:
         """Why a supported tensor (see :func:`unsupported`, which the pack hook checks first)
-        stays in memory, or None to offload it."""
+        stays in memory, or None to offload it. ``group_kept``: True for a kept group, or the
+        reason its group keeps everything ("recompute": a checkpoint's inputs)."""
         if retained_bytes < self.min_offload_bytes or retained_bytes == 0:
             return "small"
         if group_kept:
-            return "group"
+            return group_kept if isinstance(group_kept, str) else "group"
         return None

@@ -22,6 +22,7 @@ KEPT_REASONS = {
     "unsupported": "not a plain strided CPU or CUDA tensor (sparse, nested, meta, quantized)",
     "subclass": "a tensor subclass other than DTensor (e.g. Float8Tensor): kept, with a warning",
     "group": "it belongs to one of the last TBA_KEEP_LAST blocks, which backward needs first",
+    "recompute": "an input of a block tba recomputes in backward (checkpointing keeps it)",
     "staging_full": "the staging budget (TBA_STAGING_BYTES) was full",
     "quota": "the per-process quota TBA_MAX_DISK_BYTES refused space",
     "disk_full": "the filesystem is full, or below the TBA_MIN_FREE_BYTES floor",

@@ -3,7 +3,8 @@
 # NOTE [Groups]
 With a model, groups are its blocks: the largest ``ModuleList``/``Sequential`` of modules of one
 class (transformer layers), else its top-level children. Forward pre-hooks, installed only while
-a step's forward runs, mark which block is executing. Tensors packed from the first of the last
+a step's forward runs, mark which block is executing. Each block has an action (NOTE [Block
+policy] in tba/recompute.py); with the default policy, tensors packed from the first of the last
 ``keep_last`` blocks onwards (the head included) are kept resident: backward needs them first.
 Without a model, a new group starts every ``group_bytes`` packed bytes, and the last
 ``keep_last`` groups of the previous step decide which window is kept (none on the first step).
@@ -23,9 +24,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from .entry import CAPTURE, DEAD, FAILED, MEMORY, ON_DISK, WRITING, Entry
+from .errors import internal_error
+from .recompute import USER, Recompute, foreign_hooks_innermost
 from .step import StepState
 
 
@@ -43,6 +47,16 @@ def detect_blocks(model: nn.Module) -> list[nn.Module]:
     return children if children else [model]
 
 
+def _tensor_bytes(args: Any) -> int:
+    """Bytes of the distinct storages of the tensors among ``args``."""
+    seen = {}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            st = a.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
 class GroupTracker:
     """Which group the forward is in, and whether that group stays resident."""
 
@@ -51,7 +65,12 @@ class GroupTracker:
         self.group_bytes = group_bytes
         self.prev_windows: int | None = None
         self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
+        self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
+        self.default_action: str | None = None  # blocks not in it; None: from keep_last
+        self.lead_kept = False  # the group before the first block is kept (policy keep)
+        self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
         self._hooks: list[Any] = []
+        self._unwrap: list[Callable[[], None]] = []
         self._blocks: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = (
             weakref.WeakKeyDictionary()
         )
@@ -72,11 +91,23 @@ class GroupTracker:
     def max_keep(self, groups: int) -> int:
         return self.n_blocks or groups
 
+    def actions(self, n: int) -> list[str]:
+        """The action of each of ``n`` blocks: the assignment's where it names the block, else
+        ``default_action``, else keep for the last ``keep_last`` blocks and offload for the
+        others."""
+        first_kept = n - self.keep_last if self.keep_last else n
+        got = self.assignment or {}
+        other = self.default_action
+        return [got.get(i, other or ("keep" if i >= first_kept else "offload")) for i in range(n)]
+
     def reset(self, step: StepState | None) -> None:
         self.step = step
         self.stat = step.group(0) if step is not None else None  # the current group's GroupStat
         self.group = 0
-        self.kept = False
+        self.kept = self.lead_kept and step is not None
+        if self.kept:
+            self.stat.kept = True
+        self.recomputing = False
         self.packed = 0
         self.first_kept = None
         self.by_model = False
@@ -91,29 +122,48 @@ class GroupTracker:
                 blocks = self._blocks[model] = detect_blocks(model)
             self.by_model = True
             n = self.n_blocks = len(blocks)
-            first_kept = n - self.keep_last if self.keep_last else n
-            step.kept_groups = min(self.keep_last, n)
-            for i, block in enumerate(blocks):
-                kept = i >= first_kept
-                self._hooks.append(block.register_forward_pre_hook(self._enter_hook(kept)))
+            actions = self.actions(n)
+            step.kept_groups = actions.count("keep")
+            step.group_policy = list(actions)
+            for i, (block, action) in enumerate(zip(blocks, actions)):
+                self._hooks.append(block.register_forward_pre_hook(self._enter_hook(i, action)))
                 self._hooks.append(block.register_forward_hook(self._exit_hook))
+                if action == "recompute":
+                    self._unwrap.append(self._wrap(block))
         else:
             self.n_blocks = 0
         if model is None and self.keep_last and self.prev_windows is not None:
             self.first_kept = max(0, self.prev_windows - self.keep_last)
             step.kept_groups = self.prev_windows - self.first_kept
 
-    def _enter_hook(self, kept: bool) -> Callable[..., None]:
+    def _wrap(self, block: nn.Module) -> Callable[[], None]:
+        if self.recompute is None:
+            raise internal_error("scheduler", "a recompute action without a Recompute")
+        return self.recompute.install(block, lambda: (self.step, self.stat))
+
+    def _enter_hook(self, i: int, action: str) -> Callable[..., None]:
         def enter(module: nn.Module, args: Any) -> None:
             self._switch(self.group + 1)
-            self.kept = kept
+            if foreign_hooks_innermost():  # checkpointed by the user: left as it is
+                act = USER
+                if self.step is not None and i < len(self.step.group_policy):
+                    self.step.group_policy[i] = USER
+            else:
+                act = action
+            self.kept = act == "keep"
+            self.recomputing = act == "recompute"
             if self.stat is not None:
-                self.stat.kept = kept
+                self.stat.kept = self.kept
+                self.stat.action = act
+                self.stat.input_bytes = _tensor_bytes(args)
+                if self.recomputing and self.step is not None:
+                    self.step.recomputed_groups += 1
 
         return enter
 
     def _exit_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
+        self.recomputing = False
         if self.kept and self.stat is not None:
             self.stat.kept = True  # after a kept block (the head): kept too
 
@@ -126,10 +176,11 @@ class GroupTracker:
             self.stat = self.step.group(group)
             self.stat.fwd_start = now
 
-    def on_pack(self, nbytes: int) -> bool:
-        """Account a pack of ``nbytes``; True when it belongs to a kept group."""
+    def on_pack(self, nbytes: int) -> bool | str:
+        """Account a pack of ``nbytes``; True when it belongs to a kept group, "recompute" when
+        to a recomputed block (its checkpoint's inputs: kept, NOTE [Block policy])."""
         if self.by_model:
-            return self.kept
+            return "recompute" if self.recomputing else self.kept
         window = self.packed // self.group_bytes
         self.packed += nbytes
         if window != self.group:
@@ -145,6 +196,9 @@ class GroupTracker:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for undo in self._unwrap:
+            undo()
+        self._unwrap.clear()
         if not self.by_model:
             self.prev_windows = self.group + 1 if self.packed else 0
         if self.step is not None:

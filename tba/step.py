@@ -62,6 +62,9 @@ class GroupStat:
     __slots__ = (
         "group",
         "kept",
+        "action",
+        "input_bytes",
+        "hidden_bytes",
         "tensors",
         "packed_bytes",
         "offloaded_bytes",
@@ -84,6 +87,9 @@ class GroupStat:
     def __init__(self, group: int):
         self.group = group
         self.kept = False
+        self.action = ""  # a block's action (NOTE [Block policy]); "" between blocks
+        self.input_bytes = 0  # a block's tensor inputs (what recompute keeps)
+        self.hidden_bytes = 0  # saved inside tba's checkpoint of the block (not packed by tba)
         self.tensors = 0
         self.packed_bytes = 0
         self.offloaded_bytes = 0
@@ -140,10 +146,13 @@ class StepState:
         self.uploads_ahead = 0  # H2D copies issued ahead of their unpack (NOTE [Device prefetch])
         self.uploads_at_unpack = 0
         self.peak_resident_bytes = 0
+        self.peak_with_recompute_bytes = 0  # NOTE [Block policy]: resident + a recomputed block
         self.peak_disk_bytes = 0
         self.io_errors = 0
         self.groups = 0
         self.kept_groups = 0
+        self.group_policy: list[str] = []  # per block: keep, offload, recompute or user
+        self.recomputed_groups = 0  # blocks tba ran under checkpointing (recomputed in backward)
         self.packs = 0
         self.coalesced_tensors = 0  # offloaded tensors that went into a batch (NOTE [Coalescing])
         self.coalesced_writes = 0  # batch writes issued
@@ -213,6 +222,9 @@ class StepState:
                 {
                     "group": g,
                     "kept": gs.kept,
+                    "action": gs.action,
+                    "input_bytes": gs.input_bytes,
+                    "hidden_bytes": gs.hidden_bytes,
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
                     "offloaded_bytes": gs.offloaded_bytes,
@@ -270,6 +282,10 @@ class StepState:
             io_errors=self.io_errors,
             groups=self.groups,
             kept_groups=self.kept_groups,
+            group_policy=list(self.group_policy),
+            recomputed_groups=self.recomputed_groups,
+            user_checkpointed_groups=self.group_policy.count("user"),
+            peak_with_recompute_bytes=max(self.peak_resident_bytes, self.peak_with_recompute_bytes),
             coalesced_tensors=self.coalesced_tensors,
             coalesced_writes=self.coalesced_writes,
             recomputed_tensors=self.recomputed_tensors,

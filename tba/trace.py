@@ -5,12 +5,13 @@ Format (version 1), documented in the README:
 - ``{"type": "meta", "version": 1, "pid", "rank", "backend", "backend_reason", "config"}``,
   once per Offloader;
 - per group of a step whose backward has run, in forward order: ``{"type": "group", "step",
-  "group", "kept", "tensors", "packed_bytes", "offloaded_bytes", "kept_bytes",
-  "keepable_bytes", "fwd_seconds", "bwd_seconds", "write_seconds", "read_seconds",
-  "stall_seconds", "sync_loads"}``;
+  "group", "kept", "action", "input_bytes", "hidden_bytes", "tensors", "packed_bytes",
+  "offloaded_bytes", "kept_bytes", "keepable_bytes", "fwd_seconds", "bwd_seconds",
+  "write_seconds", "read_seconds", "stall_seconds", "sync_loads"}``;
 - then ``{"type": "step", "step", "forward_seconds", "backward_seconds", "step_seconds",
   "saved_bytes", "peak_resident_bytes", "bytes_offloaded", "bytes_reloaded", "stall_seconds",
-  "sync_loads", "write_bps", "read_bps", "keep_last", "keep_decision"}``.
+  "sync_loads", "write_bps", "read_bps", "keep_last", "keep_decision", "group_policy",
+  "recomputed_groups", "policy_decision"}``.
 
 A step is written when the next step starts (its backward is over by then) or at ``close()``.
 Times are seconds; ``write_bps``/``read_bps`` are bytes per second while I/O was in flight

@@ -1,4 +1,9 @@
-"""Offload versus no offload: bit-identical losses, gradients and parameters over 3 steps."""
+"""Offload versus no offload: bit-identical losses, gradients and parameters over 3 steps.
+
+The matrix runs under each block policy (NOTE [Block policy] in tba/recompute.py): offload
+(the default), recompute (every block checkpointed by tba), a forced mix cycling recompute,
+offload, keep over the blocks, and auto (the chooser decides after step 1).
+"""
 
 from __future__ import annotations
 
@@ -70,6 +75,37 @@ MODELS = {
 }
 
 
+MIXED = tuple((i, ("recompute", "offload", "keep")[i % 3]) for i in range(8))
+POLICIES = {
+    "offload": {"policy": "offload"},
+    "recompute": {"policy": "recompute"},
+    "mixed": {"block_policy": MIXED},
+    "auto": {"policy": "auto"},
+}
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request):
+    return request.param
+
+
+def check_policy(off, policy, user_checkpointed=False):
+    """The step ran the blocks as ``policy`` says (or left the user's checkpointing alone)."""
+    st = off.stats()
+    actions = st["group_policy"]
+    if user_checkpointed:
+        assert set(actions) == {"user"} and st["recomputed_groups"] == 0
+    elif policy == "recompute":
+        assert set(actions) == {"recompute"} and st["recomputed_groups"] == len(actions)
+    elif policy == "mixed":
+        assert actions == [a for _, a in MIXED[: len(actions)]]
+        assert st["recomputed_groups"] == actions.count("recompute")
+    elif policy == "auto":
+        assert st["policy_decision"].get("actions") == actions  # decided after step 1
+    else:
+        assert "recompute" not in actions and st["recomputed_groups"] == 0
+
+
 def settle(off):
     if off is not None:
         off.synchronize()
@@ -135,32 +171,36 @@ def assert_identical(a, b):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_models_bit_identical(name, make_offloader):
+def test_models_bit_identical(name, make_offloader, policy):
     make_model, batch = MODELS[name]
-    off = make_offloader(keep_last=1)
+    off = make_offloader(keep_last=1, **POLICIES[policy])
     base = train(make_model, batch)
     got = train(make_model, batch, off)
     assert_identical(base, got)
     st = off.stats()
-    assert st["tensors_offloaded"] > 0 and st["bytes_reloaded"] > 0
+    if policy != "auto":  # auto may keep or recompute every block of a small model
+        assert st["tensors_offloaded"] > 0 and st["bytes_reloaded"] > 0
     assert st["disk_bytes_in_use"] == 0
+    check_policy(off, policy, user_checkpointed=name == "checkpointed_blocks")
 
 
 @pytest.mark.parametrize("backend", ["posix", "buffered", "memory"])
-def test_every_backend_bit_identical(backend, make_offloader):
+def test_every_backend_bit_identical(backend, make_offloader, policy):
     make_model, batch = MODELS["qkv_split_views"]
-    off = make_offloader(backend=backend)
+    off = make_offloader(backend=backend, **POLICIES[policy])
     assert_identical(train(make_model, batch), train(make_model, batch, off))
     assert off.stats()["backend"] == backend
+    check_policy(off, policy)
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "accumulate_concurrent", "retain_graph"])
-def test_backward_patterns_bit_identical(mode, make_offloader):
+def test_backward_patterns_bit_identical(mode, make_offloader, policy):
     make_model, batch = MODELS["pre_ln_transformer"]
-    off = make_offloader()
+    off = make_offloader(**POLICIES[policy])
     assert_identical(train(make_model, batch, mode=mode), train(make_model, batch, off, mode=mode))
     off.synchronize()
     assert off.stats()["disk_bytes_in_use"] == 0
+    check_policy(off, policy)
 
 
 def test_without_model_groups_are_windows(make_offloader):

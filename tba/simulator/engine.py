@@ -29,9 +29,15 @@ packed, needed by backward and released). The rules, as tba applies them:
   host-to-device copy of each offloaded tensor to the compute timeline (tba's CUDA adapter
   orders it after the consumer's queued work). Its buffer and budget are released at the use,
   or at ``free_at`` when the tensor is held longer.
+- Recompute (``actions``, NOTE [Block policy] in tba/recompute.py): a recomputed group keeps
+  only its ``input_bytes`` (an attribute of the group, 0 when absent) from its forward start;
+  at its backward start its forward runs again (``fwd`` seconds on the compute timeline), then
+  its saved tensors are resident, the inputs are let go, and each saved tensor is released at
+  its use. Nothing of it is written or read.
 - Memory follows tba's ``peak_resident_bytes`` accounting: kept tensors from pack to release,
   staging blocks until written, read-back buffers from read issue to release, staging copies.
-  The device peak counts only kept tensors, the host peak staging and read-back buffers.
+  The device peak counts only kept and recomputed tensors, the host peak staging and
+  read-back buffers.
 - Steps run back to back on one :class:`Engine` carry the disk queues and staging over.
 
 The runtime's use is the plain case: the default :class:`Setup` (unbounded staging, no copy
@@ -160,17 +166,37 @@ class Engine:
             self.arena.free(heapq.heappop(self.staging)[1])
         return self.arena.alloc(padded)
 
-    def step(self, groups: Sequence[Stage], first_kept: int, keep: int = 0) -> SimResult:
-        """One step with groups ``first_kept`` on resident; ``keep`` only labels the result."""
+    def step(
+        self,
+        groups: Sequence[Stage],
+        first_kept: int,
+        keep: int = 0,
+        actions: Sequence[str] | None = None,
+    ) -> SimResult:
+        """One step with groups ``first_kept`` on resident; ``keep`` only labels the result.
+        ``actions`` (one per group: keep, offload or recompute) replaces ``first_kept``."""
         su = self.setup
         t0 = t = self.now
         self.fold(t0)
         n_kept = n_full = written = 0
         entries: list[_Entry] = []
         uses: list[list[tuple[float, int, int, _Entry | None, float | None]]] = []
+        recomputed: list[int | None] = []  # a recomputed group's input bytes, else None
         for gi, g in enumerate(groups):
-            kept = gi >= first_kept
+            act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
+            kept = act == "keep"
             start, shift, items = t, 0.0, []
+            if act == "recompute":  # the Recompute rule: only the inputs stay
+                inputs = getattr(g, "input_bytes", 0)
+                self.mem(start, inputs, _DEV)
+                recomputed.append(inputs)
+                saved = sorted(g.saved, key=lambda x: x.pack_at)
+                uses.append(
+                    [(s.use_at, -i, s.nbytes, None, s.free_at) for i, s in enumerate(saved)]
+                )
+                t = start + g.fwd
+                continue
+            recomputed.append(None)
             for i, s in enumerate(sorted(g.saved, key=lambda x: x.pack_at)):
                 tp = start + shift + s.pack_at * g.fwd
                 if kept or not su.offloadable(s) or s.nbytes == 0:
@@ -200,7 +226,9 @@ class Engine:
             uses.append(items)
         fwd_end = t
         bwd_total = sum(g.bwd for g in groups)
-        t, stall, sync, served, read = self._backward(groups, uses, entries, written, bwd_total, t)
+        t, stall, sync, served, read = self._backward(
+            groups, uses, entries, written, bwd_total, t, recomputed
+        )
         self.now = t
         self.window = (t0, t)
         return SimResult(
@@ -230,7 +258,7 @@ class Engine:
         largest = max(e.padded for e in entries)
         return read_ahead(largest, consume, su.read_bps, su.prefetch_bytes)[0]
 
-    def _backward(self, groups, uses, entries, written, bwd_total, t):
+    def _backward(self, groups, uses, entries, written, bwd_total, t, recomputed):
         su = self.setup
         plan = entries[::-1]  # reverse pack order
         window = self.window_for(entries, written, bwd_total)
@@ -262,8 +290,12 @@ class Engine:
         pump(t)
         stall = 0.0
         sync = served = staged = 0
-        for g, items in zip(reversed(groups), reversed(uses)):
+        for g, items, inputs in zip(reversed(groups), reversed(uses), reversed(recomputed)):
             start, shift = t, 0.0
+            if inputs is not None:  # the block's forward again, then its saves are there
+                shift = g.fwd
+                self.mem(start + shift, sum(s.nbytes for s in g.saved), _DEV)
+                self.mem(start + shift, -inputs, _DEV)
             events = []
             for use_at, order, n, e, free_at in items:
                 later = free_at is not None and free_at > use_at  # held past its use

@@ -40,6 +40,7 @@ class Span:
     fwd: float
     bwd: float
     saved: Sequence[Saved]
+    input_bytes: int = 0  # what a recomputed group keeps (its checkpoint's inputs)
 
 
 @dataclasses.dataclass(frozen=True)

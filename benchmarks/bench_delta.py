@@ -1,0 +1,199 @@
+"""Keep, offload or recompute per block (issue 16, DELTA) on W1, disk capped at several rates.
+
+W1: 6 pre-LN blocks, H=512, S=512, micro-batch 8, fp32 (tba.testing). For each cap
+(TBA_MAX_WRITE_BPS = TBA_MAX_READ_BPS; 0: uncapped) the modes run interleaved (one step of
+each, in turn; medians over the repeats):
+
+- ``none``: keep-all, no tba, no budget (the time baseline);
+- ``checkpoint``: per-block checkpointing by the model itself, no tba;
+- ``offload``: tba, TBA_POLICY=offload (today's default, adaptive keep);
+- ``auto``: tba, TBA_POLICY=auto, after ``--auto-warmup`` steps to decide;
+- ``A:<actions>``: tba with TBA_BLOCK_POLICY forcing one assignment (k/o/r per block). The
+  3^6 assignments whose peak the simulator predicts within the budget (from a measured
+  offload step: NOTE [Chooser]), or a random sample of ``--sample`` of them (said so).
+
+The budget is ``--budget`` (0.35) of ``saved_bytes`` (a keep step's). Memory is tba's
+``peak_with_recompute_bytes``: what tba holds (kept, staging, read-back) and, while backward
+recomputes a block, what that block saves. Reported per cap: each mode's median step time, its
+peak / saved_bytes and whether it met the budget; auto / min(offload, checkpoint); auto / the
+fastest assignment that met the budget.
+
+    python benchmarks/bench_delta.py                      # full: very slow on a small machine
+    python benchmarks/bench_delta.py --caps 0,50MB/s --sample 3 --repeats 1 --warmup 0 --batch 1
+
+All assignments share one Offloader whose forced assignment is changed between steps (its
+PolicyController's ``forced``); the named tba modes have their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _machine import dump_json, machine_line  # noqa: E402
+
+import tba  # noqa: E402
+from tba.adaptive import PolicyController  # noqa: E402
+from tba.chooser import predict  # noqa: E402
+from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
+
+LETTER = {"k": "keep", "o": "offload", "r": "recompute"}
+
+
+def one_step(model, batch, off, checkpoint=False):
+    model.zero_grad(set_to_none=True)
+    model.checkpoint_blocks = checkpoint
+    t0 = time.perf_counter()
+    if off is None:
+        loss = model(*batch)
+    else:
+        with off.step(model):
+            loss = model(*batch)
+    loss.backward()
+    dt = time.perf_counter() - t0
+    if off is None:
+        return dt, None
+    off.synchronize()  # outside the time: the last writes are counted once they land
+    return dt, off.stats()
+
+
+def candidates(off, model, batch, budget, sample, rng):
+    """Assignments predicted within ``budget`` from one measured offload step, maybe sampled."""
+    one_step(model, batch, off)
+    last = off._last  # the step just run (bench-only use of internals)
+    records = last.group_records()
+    w, r = last.bandwidth(True) or 1e12, last.bandwidth(False) or 1e12
+    groups, _ = PolicyController("auto", None)._costs(records)
+    n = sum(g.block for g in groups)
+    fit = []
+    for letters in itertools.product("kor", repeat=n):
+        p = predict(groups, [LETTER[x] for x in letters], w, r, off.depth.depth)
+        if p.peak_bytes <= budget:
+            fit.append("".join(letters))
+    sampled = bool(sample) and len(fit) > sample
+    return (rng.sample(fit, sample) if sampled else fit), len(fit), sampled
+
+
+def run_cap(args, cap, model, batch, spill, rng):
+    caps = {"max_write_bps": cap, "max_read_bps": cap} if cap else {}
+    make = lambda **kw: tba.Offloader(tba.Config(spill_dir=spill, **caps, **kw))  # noqa: E731
+    offs = {"offload": make(policy="offload"), "auto": make(policy="auto")}
+    forced = make(policy="offload", keep_last=0)
+    keep = make(policy="keep")
+    try:
+        saved = one_step(model, batch, keep)[1]["saved_bytes"]
+        budget = int(args.budget * saved)
+        assigns, n_fit, sampled = candidates(forced, model, batch, budget, args.sample, rng)
+        for _ in range(args.auto_warmup):
+            one_step(model, batch, offs["auto"])
+        modes = ["none", "checkpoint", "offload", "auto"] + [f"A:{a}" for a in assigns]
+        times = {m: [] for m in modes}
+        peaks = {m: [] for m in modes}
+        final_auto = None
+        for rnd in range(args.warmup + args.repeats):
+            for m in modes:
+                if m in ("none", "checkpoint"):
+                    dt, st = one_step(model, batch, None, checkpoint=m == "checkpoint")
+                elif m.startswith("A:"):
+                    forced.policy.forced = {i: LETTER[x] for i, x in enumerate(m[2:])}
+                    dt, st = one_step(model, batch, forced)
+                else:
+                    dt, st = one_step(model, batch, offs[m])
+                if st is not None:
+                    peaks[m].append(st["peak_with_recompute_bytes"])
+                    if m == "auto":
+                        final_auto = st["group_policy"]
+                if rnd >= args.warmup:
+                    times[m].append(dt)
+            print(f"  cap {cap or 'none'}: round {rnd} done", flush=True)
+    finally:
+        for off in (*offs.values(), forced, keep):
+            off.close()
+    med = {m: statistics.median(v) for m, v in times.items()}
+    peak = {m: max(v) / saved for m, v in peaks.items() if v}
+    met = {m: p <= args.budget for m, p in peak.items()}
+    ok = [m for m in modes if m.startswith("A:") and met.get(m)]
+    best = min(ok, key=med.get) if ok else None
+    pure = min(med["offload"], med["checkpoint"])
+    return {
+        "cap_bps": cap,
+        "saved_bytes": saved,
+        "budget_bytes": budget,
+        "assignments_fitting_prediction": n_fit,
+        "assignments_run": len(assigns),
+        "sampled": sampled,
+        "median_seconds": med,
+        "peak_over_saved": peak,
+        "met_budget": met,
+        "auto_actions": final_auto,
+        "auto_over_best_pure": med["auto"] / pure,
+        "best_assignment": best,
+        "auto_over_best_assignment": med["auto"] / med[best] if best else None,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--caps", default="0,200MB/s,50MB/s,20MB/s", help="0: uncapped")
+    ap.add_argument("--budget", type=float, default=0.35, help="share of saved_bytes")
+    ap.add_argument("--sample", type=int, default=0, help="run at most this many assignments")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    ap.add_argument("--auto-warmup", type=int, default=3, help="auto's steps before the rounds")
+    ap.add_argument("--batch", type=int, default=W1_MICRO_BATCH)
+    ap.add_argument("--spill-dir", default="/var/tmp")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    torch.manual_seed(0)
+    model = GPT(W1)
+    batch = random_batch(W1, args.batch)
+    spill = tempfile.mkdtemp(prefix="tba-delta-", dir=args.spill_dir)
+    results = []
+    try:
+        for text in args.caps.split(","):
+            cap = tba.Config(environ={}, max_write_bps=text).max_write_bps
+            results.append(run_cap(args, cap, model, batch, spill, rng))
+    finally:
+        os.rmdir(spill)
+    print()
+    print(machine_line(args.spill_dir))
+    print(f"W1 micro-batch {args.batch}, {args.repeats} interleaved repeats, budget {args.budget}")
+    for res in results:
+        cap = f"{res['cap_bps'] / 1e6:.0f} MB/s" if res["cap_bps"] else "uncapped"
+        note = " (a random sample)" if res["sampled"] else ""
+        print(
+            f"\n{cap}: {res['assignments_run']} of {res['assignments_fitting_prediction']} "
+            f"assignments predicted within the budget{note}"
+        )
+        print(f"  {'mode':<12}{'median s':>10}{'peak/saved':>12}  budget")
+        med, peak = res["median_seconds"], res["peak_over_saved"]
+        for m in sorted(med, key=lambda m: (m.startswith("A:"), med[m])):
+            p = peak.get(m)
+            met = "" if p is None else ("met" if res["met_budget"][m] else "over")
+            ptxt = "" if p is None else f"{p:.3f}"
+            print(f"  {m:<12}{med[m]:>10.3f}{ptxt:>12}  {met}")
+        print(f"  auto chose {res['auto_actions']}")
+        print(f"  auto / min(offload, checkpoint): {res['auto_over_best_pure']:.3f}")
+        if res["best_assignment"]:
+            print(
+                f"  auto / best assignment ({res['best_assignment']}): "
+                f"{res['auto_over_best_assignment']:.3f}"
+            )
+    dump_json(args.json, args.spill_dir, caps=results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

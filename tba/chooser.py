@@ -1,0 +1,147 @@
+"""Keep, offload or recompute per block: the chooser of ``TBA_POLICY=auto``. No torch, no I/O.
+
+# NOTE [Chooser]
+Input, per group of a step in forward order (``Cost``): forward and backward compute seconds,
+the bytes the group saves, the bytes of its inputs (what recompute keeps), and whether it is a
+block; plus the write and read bandwidth and a memory budget in bytes. Each block gets keep,
+offload or recompute (NOTE [Block policy] in tba/recompute.py); a group between or after
+blocks follows the block before it when that one is kept, else it is offloaded (the group
+before the first block is offloaded). An assignment is replayed by the simulator tba plan and
+adaptive keep use (NOTE [Simulator] in tba/simulator/engine.py, its plain runtime case plus
+its Recompute rule), which predicts the step time and the peak of resident saved bytes (kept,
+staging, read-back, a recomputed block's tensors during its backward). Swapping costs what its
+I/O does not hide behind compute (about max(0, bytes / bandwidth - compute window)), and a
+recompute costs the block's forward time once more; keeping costs memory only.
+
+The choice: among the assignments whose predicted peak is within the budget, the shortest
+predicted step, ties going to the lower peak; when none fits, the lowest peak (and the caller
+says so). Without a budget (None) nothing bounds memory, and keeping everything wins. With at
+most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (3^6 = 729 on
+W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
+local search: from every block offloaded, every block recomputed, every block kept and
+today's keep-last assignments, change one block at a time while that improves the objective.
+Blocks in ``fixed`` (forced by TBA_BLOCK_POLICY, or checkpointed by the user) do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from .simulator import Engine, Setup, Span, pieces
+
+ACTIONS = ("keep", "offload", "recompute")
+EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One group of a measured (or planned) step."""
+
+    fwd: float  # seconds of forward compute
+    bwd: float  # seconds of backward compute, without any recompute
+    nbytes: int  # bytes it saves (offloadable)
+    input_bytes: int = 0  # a block's inputs: what stays resident when it is recomputed
+    block: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    actions: tuple[str, ...]  # one per block
+    step_seconds: float
+    peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    best: Prediction
+    fits: bool  # its peak is within the budget (always True without one)
+    searched: int  # assignments simulated
+    exhaustive: bool
+    budget: int | None
+
+
+def group_actions(groups: Sequence[Cost], actions: Sequence[str]) -> list[str]:
+    """Per-block ``actions`` spread over every group (see NOTE [Chooser])."""
+    out, bi, last = [], 0, "offload"
+    for g in groups:
+        if g.block:
+            last = actions[bi]
+            bi += 1
+            out.append(last)
+        else:
+            out.append("keep" if last == "keep" else "offload")
+    return out
+
+
+def predict(
+    groups: Sequence[Cost],
+    actions: Sequence[str],
+    write_bps: float,
+    read_bps: float,
+    prefetch_bytes: int,
+) -> Prediction:
+    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser])."""
+    spans = [Span(g.fwd, g.bwd, pieces(g.nbytes), g.input_bytes) for g in groups]
+    setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch_bytes)
+    engine = Engine(setup)
+    got = engine.step(spans, len(spans), actions=group_actions(groups, actions))
+    return Prediction(tuple(actions), got.step_seconds, engine.peaks()[0])
+
+
+def choose(
+    groups: Sequence[Cost],
+    write_bps: float,
+    read_bps: float,
+    budget: int | None,
+    prefetch_bytes: int = 128 << 20,
+    exhaustive_blocks: int = EXHAUSTIVE_BLOCKS,
+    fixed: dict[int, str] | None = None,
+) -> Choice:
+    """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
+    ``fixed`` maps block indices to actions the search does not change."""
+    n = sum(g.block for g in groups)
+    if n == 0:
+        raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
+    fixed = fixed or {}
+    options = [(fixed[i],) if i in fixed else ACTIONS for i in range(n)]
+    seen: dict[tuple[str, ...], Prediction] = {}
+
+    def sim(actions: tuple[str, ...]) -> Prediction:
+        p = seen.get(actions)
+        if p is None:
+            p = seen[actions] = predict(groups, actions, write_bps, read_bps, prefetch_bytes)
+        return p
+
+    def rank(p: Prediction) -> tuple:
+        over = budget is not None and p.peak_bytes > budget
+        return (over, p.peak_bytes if over else 0, p.step_seconds, p.peak_bytes)
+
+    exhaustive = n <= exhaustive_blocks
+    if exhaustive:
+        best = min((sim(a) for a in itertools.product(*options)), key=rank)
+    else:
+        starts = [[a] * n for a in ACTIONS]
+        starts += [["offload"] * (n - k) + ["keep"] * k for k in range(1, n)]
+        pin = lambda a: tuple(fixed.get(i, x) for i, x in enumerate(a))  # noqa: E731
+        best = min((_descend(sim(pin(s)), sim, rank, options) for s in starts), key=rank)
+    fits = budget is None or best.peak_bytes <= budget
+    return Choice(best, fits, len(seen), exhaustive, budget)
+
+
+def _descend(p: Prediction, sim, rank, options) -> Prediction:
+    """Change one block at a time, taking the best change, while it improves ``rank``."""
+    while True:
+        moves = [
+            sim(p.actions[:i] + (a,) + p.actions[i + 1 :])
+            for i in range(len(p.actions))
+            for a in options[i]
+            if a != p.actions[i]
+        ]
+        if not moves:
+            return p
+        nxt = min(moves, key=rank)
+        if rank(nxt) >= rank(p):
+            return p
+        p = nxt

@@ -1,0 +1,123 @@
+"""Block-level recompute: tba runs a block under activation checkpointing for one step.
+
+# NOTE [Block policy]
+Each block of a step (NOTE [Groups] in tba/scheduler.py) gets one action: ``keep`` (its saved
+tensors stay resident), ``offload`` (written to disk, read back ahead of backward) or
+``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it
+saves is dropped after its forward and computed again in backward). ``TBA_POLICY`` picks the
+actions (offload: the last ``TBA_KEEP_LAST`` blocks kept, the others offloaded, as before;
+recompute, keep: every block; auto: the chooser, NOTE [Chooser] in tba/chooser.py), and
+``TBA_BLOCK_POLICY`` forces some blocks. A group between or after blocks follows the block
+before it when that block is kept, and is offloaded otherwise (it cannot be recomputed).
+How recompute is done, and why it is exact:
+
+1. The wrapper is installed when the step's forward starts, as an instance attribute
+   ``forward`` of the block, and removed when the forward ends (the model's code does not
+   change; an instance ``forward`` the block already had is put back). tba's forward pre-hook
+   and forward hook run around it, outside the checkpoint.
+2. Autograd consults only the innermost ``saved_tensors_hooks``. Checkpoint saves the block's
+   inputs first, under tba's hooks (so tba packs them, in the block's group, and keeps them
+   resident: kept reason ``recompute``, what a checkpointed block costs), then pushes its own
+   hook for the forward: nothing the block saves reaches tba's pack. In backward the
+   recompute runs under checkpoint's recomputation hook, also innermost, so its saves never
+   reach tba either, even when a tba step is active in that thread.
+3. ``preserve_rng_state=True``: checkpoint stashes the CPU (and device) RNG state before the
+   forward and restores it for the recompute inside ``fork_rng``, so dropout masks match bit
+   for bit and the caller's RNG stream is the same as without recompute.
+4. A block the user already checkpoints is left as it is: when the block is entered and the
+   innermost saved-tensors hooks are not tba's (the user's checkpoint, ``save_on_cpu``, or a
+   recompute in backward), the wrapper calls the plain forward and the block's action is
+   recorded as ``user``.
+5. While the checkpointed forward runs, a hook chained over checkpoint's own (pack: count,
+   then checkpoint's pack; unpack: checkpoint's) counts what the block saves, once per storage
+   per step and parameters excluded, into ``saved_bytes`` (what stays resident without tba)
+   and the group's ``hidden_bytes``: what the recompute brings back in backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .step import GroupStat, StepState
+
+USER = "user"  # the action recorded for a block someone else already checkpoints
+
+
+def foreign_hooks_innermost() -> bool:
+    """True when the innermost saved-tensors hooks are someone else's than tba's
+    (tba.hook.OffloadHooks): a checkpoint's, ``save_on_cpu``'s, a recompute's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return not getattr(getattr(top[0], "__self__", None), "tba_offload_hooks", False)
+
+
+class Recompute:
+    """Installs and removes the recompute wrappers of a step's blocks (see the NOTE).
+
+    ``count(t, step)`` counts a tensor the checkpointed forward saves into ``step`` and returns
+    the bytes it added (0 for parameters and storages already counted); ``recomputing(step,
+    stat)`` is told when backward recomputes the block of ``stat``.
+    """
+
+    def __init__(
+        self,
+        count: Callable[[torch.Tensor, StepState], int],
+        recomputing: Callable[[StepState, GroupStat], None],
+    ):
+        self.count = count
+        self.recomputing = recomputing
+
+    def install(self, block: nn.Module, where: Callable[[], tuple[Any, Any]]) -> Callable[[], None]:
+        """Wrap ``block.forward``; ``where()`` gives the (StepState, GroupStat) of the block's
+        group when it runs. Returns the function that removes the wrapper."""
+        had = "forward" in block.__dict__
+        prev = block.__dict__.get("forward")
+        inner = block.forward
+        owner = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            step, stat = where()
+            if step is None or not torch.is_grad_enabled() or foreign_hooks_innermost():
+                return inner(*args, **kwargs)  # no grad, or someone else's hooks: as it is
+            calls = [0]
+
+            def run(*a: Any, **kw: Any) -> Any:
+                calls[0] += 1
+                if calls[0] > 1:  # backward: the recompute (its saves are checkpoint's)
+                    owner.recomputing(step, stat)
+                    return inner(*a, **kw)
+                return owner._counted(inner, step, stat, a, kw)
+
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+        block.forward = forward
+
+        def remove() -> None:
+            if block.__dict__.get("forward") is not forward:
+                return  # someone replaced it since: leave theirs
+            if had:
+                block.forward = prev
+            else:
+                del block.__dict__["forward"]
+
+        return remove
+
+    def _counted(self, fn, step: StepState, stat: GroupStat, args, kwargs) -> Any:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:  # pragma: no cover - checkpoint always pushes its hook
+            return fn(*args, **kwargs)
+        pack, unpack = top
+        count = self.count
+
+        def counting(t: torch.Tensor) -> Any:
+            stat.hidden_bytes += count(t, step)
+            return pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(counting, unpack):
+            return fn(*args, **kwargs)

@@ -1,0 +1,163 @@
+"""The chooser of TBA_POLICY=auto (NOTE [Chooser]) alone, and the simulator's Recompute rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tba.adaptive import PolicyController
+from tba.chooser import Cost, choose, group_actions, predict
+
+MiB = 1 << 20
+
+
+def w1_like(blocks=6, fwd=0.2, nbytes=140 * MiB, inputs=8 * MiB):
+    """Embedding group, blocks with the (empty) groups after them: the runtime's layout."""
+    gs = [Cost(0.01, 0.02, 8 * MiB, block=False)]
+    for _ in range(blocks):
+        gs += [Cost(fwd, 2 * fwd, nbytes, inputs), Cost(0.001, 0.001, 0, block=False)]
+    return gs
+
+
+def total(gs):
+    return sum(g.nbytes for g in gs)
+
+
+def test_group_actions_follow_the_block_before():
+    gs = w1_like(blocks=3)
+    got = group_actions(gs, ["keep", "recompute", "offload"])
+    assert got == ["offload", "keep", "keep", "recompute", "offload", "offload", "offload"]
+
+
+def test_recompute_costs_one_forward_and_keeps_the_inputs():
+    gs = w1_like(blocks=3)
+    fast = 1e12
+    keep = predict(gs, ["keep"] * 3, fast, fast, 128 * MiB)
+    rec = predict(gs, ["recompute"] * 3, fast, fast, 128 * MiB)
+    assert rec.step_seconds == pytest.approx(keep.step_seconds + 3 * 0.2)
+    assert keep.peak_bytes == total(gs)
+    # the inputs of all blocks, the embedding group's bytes, then one block's saves at a time
+    assert rec.peak_bytes < keep.peak_bytes / 2
+    assert rec.peak_bytes >= 140 * MiB
+
+
+def test_no_budget_keeps_everything():
+    got = choose(w1_like(), 50e6, 50e6, None)
+    assert got.best.actions == ("keep",) * 6 and got.fits and got.exhaustive
+
+
+@pytest.mark.parametrize("bps", [2e9, 200e6, 50e6, 20e6])
+def test_meets_the_budget_and_beats_both_pure_policies(bps):
+    gs = w1_like()
+    budget = int(0.35 * total(gs))
+    got = choose(gs, bps, bps, budget)
+    assert got.fits and got.best.peak_bytes <= budget and got.searched == 3**6
+    for pure in ("offload", "recompute"):
+        p = predict(gs, [pure] * 6, bps, bps, 128 * MiB)
+        if p.peak_bytes <= budget:
+            assert got.best.step_seconds <= p.step_seconds
+
+
+def test_slow_disk_recomputes_fast_disk_offloads():
+    gs = w1_like()
+    budget = int(0.35 * total(gs))
+    slow = choose(gs, 20e6, 20e6, budget).best.actions
+    fast = choose(gs, 5e9, 5e9, budget).best.actions
+    assert slow.count("recompute") > fast.count("recompute")
+    assert fast.count("offload") > slow.count("offload")
+
+
+def test_local_search_finds_what_the_exhaustive_search_finds():
+    rng = random.Random(7)
+    for _ in range(8):
+        gs = [Cost(0.01, 0.02, 4 * MiB, block=False)]
+        for _ in range(5):
+            f = rng.uniform(0.05, 0.4)
+            gs += [Cost(f, 2 * f, rng.randint(20, 200) * MiB, 8 * MiB)]
+            gs += [Cost(0.001, 0.001, 0, block=False)]
+        bps = rng.choice([2e9, 200e6, 50e6, 20e6])
+        budget = int(rng.uniform(0.25, 0.6) * total(gs))
+        full = choose(gs, bps, bps, budget)
+        local = choose(gs, bps, bps, budget, exhaustive_blocks=0)
+        assert local.searched < full.searched
+        assert local.fits == full.fits
+        if full.fits:
+            assert local.best.step_seconds <= 1.03 * full.best.step_seconds
+
+
+def test_fixed_blocks_stay():
+    gs = w1_like()
+    budget = int(0.35 * total(gs))
+    fixed = {0: "keep", 3: "offload"}
+    for ex in (6, 0):
+        got = choose(gs, 20e6, 20e6, budget, exhaustive_blocks=ex, fixed=fixed)
+        assert got.best.actions[0] == "keep" and got.best.actions[3] == "offload"
+
+
+def test_nothing_fits_gives_the_lowest_peak():
+    gs = w1_like()
+    got = choose(gs, 1e9, 1e9, 1)
+    assert not got.fits
+    assert got.best.peak_bytes == min(
+        predict(gs, a, 1e9, 1e9, 128 * MiB).peak_bytes
+        for a in (["recompute"] * 6, ["offload"] * 6, got.best.actions)
+    )
+
+
+def records(actions, stall=0.0, hidden=140 * MiB):
+    """group_records() of a W1-like step run with ``actions``."""
+    out = [dict(action="", offloaded_bytes=8 * MiB, kept_bytes=0, hidden_bytes=0, input_bytes=0)]
+    for a in actions:
+        rec = a == "recompute"
+        out.append(
+            dict(
+                action=a,
+                offloaded_bytes=0 if rec or a == "keep" else 140 * MiB,
+                kept_bytes=8 * MiB if rec else (140 * MiB if a == "keep" else 0),
+                hidden_bytes=hidden - 8 * MiB if rec else 0,
+                input_bytes=8 * MiB,
+                bwd_seconds=0.4 + (0.2 if rec else 0.0),
+            )
+        )
+        out.append(dict(action="", offloaded_bytes=0, kept_bytes=0, hidden_bytes=0, input_bytes=0))
+    for x in out:
+        x.setdefault("bwd_seconds", 0.001)
+        x.update(fwd_seconds=0.2 if x["action"] else 0.001, stall_seconds=stall)
+    return out
+
+
+def test_controller_decides_like_adaptive_keep():
+    ctl = PolicyController("auto", None, every=5)
+    assert ctl.assignment() is None and ctl.default_action() is None  # today's until measured
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
+    first = ctl.assignment()
+    assert ctl.decision["step"] == 1 and "recompute" in first.values()
+    # recomputed blocks keep their measured bytes: the same measurements, the same choice
+    ran = [first[i] for i in range(6)]
+    ctl.observe(2, records(ran), 20e6, 20e6, budget, 128 * MiB)
+    assert ctl.decision["step"] == 1  # not due, no drift, no stall
+    ctl.observe(3, records(ran), 2e9, 2e9, budget, 128 * MiB)  # the disk got faster
+    assert ctl.decision["step"] == 3
+    assert list(ctl.assignment().values()).count("offload") > ran.count("offload")
+    ctl.observe(4, records(ran, stall=0.5), 2e9, 2e9, budget, 128 * MiB)  # a stall
+    assert ctl.decision["step"] == 4
+
+
+def test_controller_forced_blocks_and_fixed_policies():
+    ctl = PolicyController("auto", ((0, "keep"),), every=5)
+    ctl.observe(1, records(["keep"] + ["offload"] * 5), 20e6, 20e6, lambda s: s // 3, 64 * MiB)
+    assert ctl.assignment()[0] == "keep" and ctl.decision["actions"][0] == "keep"
+    for policy, action in (("recompute", "recompute"), ("keep", "keep"), ("offload", None)):
+        fixed = PolicyController(policy, None)
+        fixed.observe(1, records(["offload"] * 6), 20e6, 20e6, lambda s: s // 3, 64 * MiB)
+        assert fixed.default_action() == action and fixed.assignment() is None
+
+
+def test_controller_without_blocks_stays_offload():
+    """Without a model (pack-order windows) there is nothing to recompute: auto is offload."""
+    ctl = PolicyController("auto", None)
+    windows = [x for x in records([]) if not x["action"]] * 3
+    ctl.observe(1, windows, 20e6, 20e6, lambda s: s // 3, 64 * MiB)
+    assert ctl.assignment() is None and "actions" not in ctl.decision

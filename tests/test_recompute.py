@@ -1,0 +1,141 @@
+"""Block-level recompute (NOTE [Block policy] in tba/recompute.py): what reaches tba's pack hook,
+the wrapper's lifetime, the user's own checkpointing, and the counts in stats()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tba
+from tba.testing import GPT, GPTConfig, random_batch
+
+CFG = GPTConfig(vocab=64, seq=32, hidden=32, heads=4, layers=3, dropout=0.1)
+
+
+def run_step(off, model, seed=0):
+    with off.step(model):
+        loss = model(*random_batch(CFG, 4, seed=seed))
+    return loss
+
+
+def test_recompute_saves_never_reach_the_pack_hook(make_offloader):
+    """Backward of a recomputed step run inside another step: the recompute's saves are
+    checkpoint's, so the second step packs exactly what it packs on its own."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(policy="recompute")
+    loss = run_step(off, model, seed=1)
+    with off.step(model):
+        loss.backward()  # recomputes every block while this step's hooks are installed
+        inner = model(*random_batch(CFG, 4, seed=2))
+    packs_inside = off.stats()["packs"]
+    inner.backward()
+    alone = run_step(off, model, seed=2)
+    assert off.stats()["packs"] == packs_inside
+    alone.backward()
+
+
+def test_wrapper_lives_for_the_forward_only(make_offloader):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mine = model.blocks[1].forward  # an instance forward the user set: put back after
+    model.blocks[1].forward = mine
+    off = make_offloader(policy="recompute")
+    with off.step(model):
+        assert all("forward" in b.__dict__ for b in model.blocks)
+        assert model.blocks[1].__dict__["forward"] is not mine
+        loss = model(*random_batch(CFG, 4))
+    assert "forward" not in model.blocks[0].__dict__ and "forward" not in model.blocks[2].__dict__
+    assert model.blocks[1].__dict__["forward"] is mine
+    loss.backward()
+
+
+def test_counts_and_saved_bytes_match_offload(make_offloader):
+    """saved_bytes counts what the checkpointed blocks saved (what stays resident without
+    tba), so it equals the offload policy's; the inputs of recomputed blocks are kept."""
+    got = {}
+    for policy in ("offload", "recompute"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        off = make_offloader(policy=policy, keep_last=0)
+        run_step(off, model).backward()
+        got[policy] = off.stats()
+    rec, offl = got["recompute"], got["offload"]
+    assert rec["saved_bytes"] == offl["saved_bytes"] > 0
+    assert rec["group_policy"] == ["recompute"] * 3 and rec["recomputed_groups"] == 3
+    assert rec["kept_reasons"]["recompute"] == 3  # one input per block
+    assert rec["packs"] < offl["packs"]
+    assert rec["peak_with_recompute_bytes"] > rec["peak_resident_bytes"]
+    assert offl["peak_with_recompute_bytes"] == offl["peak_resident_bytes"]
+
+
+def test_user_checkpointed_blocks_are_left_alone(make_offloader, caplog):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.checkpoint_blocks = True
+    off = make_offloader(policy="recompute", log_level="INFO")
+    with caplog.at_level("INFO", logger="tba"):
+        run_step(off, model).backward()
+        run_step(off, model, seed=1).backward()
+    st = off.stats()
+    assert st["group_policy"] == ["user"] * 3 and st["user_checkpointed_groups"] == 3
+    assert st["recomputed_groups"] == 0
+    lines = [r.getMessage() for r in caplog.records if "block actions" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("user,user,user")  # as run, once per change
+
+
+def test_forced_assignment_and_keep_policy(make_offloader):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(block_policy="keep,recompute,offload", keep_last=0)
+    run_step(off, model).backward()
+    st = off.stats()
+    assert st["group_policy"] == ["keep", "recompute", "offload"]
+    assert st["kept_groups"] == 1 and st["recomputed_groups"] == 1
+    assert st["kept_reasons"]["group"] > 0 and st["kept_reasons"]["recompute"] == 1
+    off2 = make_offloader(policy="keep")
+    run_step(off2, model).backward()
+    st2 = off2.stats()
+    assert st2["tensors_offloaded"] == 0 and st2["group_policy"] == ["keep"] * 3
+
+
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        ("recompute,offload,keep", ((0, "recompute"), (1, "offload"), (2, "keep"))),
+        ("2:keep, 0:Recompute", ((0, "recompute"), (2, "keep"))),
+        ({1: "offload"}, ((1, "offload"),)),
+        (["keep", "keep"], ((0, "keep"), (1, "keep"))),
+        ("none", None),
+    ],
+)
+def test_block_policy_parses(raw, want):
+    assert tba.Config(environ={}, block_policy=raw).block_policy == want
+
+
+@pytest.mark.parametrize("raw", ["zap", "0:keep,recompute", "0:keep,0:offload", "x:keep"])
+def test_bad_block_policy_names_the_variable(raw):
+    with pytest.raises(tba.ConfigError, match="TBA_BLOCK_POLICY"):
+        tba.Config(environ={"TBA_BLOCK_POLICY": raw})
+
+
+def test_policy_from_env_and_default():
+    assert tba.Config(environ={}).policy == "offload"
+    assert tba.Config(environ={"TBA_POLICY": "Auto"}).policy == "auto"
+    with pytest.raises(tba.ConfigError, match="TBA_POLICY"):
+        tba.Config(environ={"TBA_POLICY": "swap"})
+
+
+def test_policy_without_a_model_warns_once_and_offloads(make_offloader, caplog):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(policy="recompute")
+    with caplog.at_level("WARNING", logger="tba"):
+        for seed in range(2):
+            with off.step():
+                loss = model(*random_batch(CFG, 4, seed=seed))
+            loss.backward()
+    warned = [r.getMessage() for r in caplog.records if "TBA_POLICY=recompute" in r.getMessage()]
+    assert len(warned) == 1 and "off.step(model)" in warned[0]
+    st = off.stats()
+    assert st["group_policy"] == [] and st["tensors_offloaded"] > 0
