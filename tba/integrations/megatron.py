@@ -40,6 +40,7 @@ import torch
 
 from ..config import Config, parse_size
 from ..errors import ConfigError, UsageError, ValueParseError
+from ..hook import EagerScope
 from ..offloader import Offloader
 from ._common import build_config, describe_sources, env_config, env_kill_switch, forward_scope
 
@@ -319,7 +320,7 @@ def wrap_forward_step(
 
     @functools.wraps(forward_step_func)
     def wrapped(*a: Any, **k: Any) -> Any:
-        with forward_scope(lazy, _find_model(pos, a, k)):
+        with EagerScope(forward_scope(lazy, _find_model(pos, a, k))):
             return forward_step_func(*a, **k)
 
     wrapped.tba_offloader = lazy  # type: ignore[attr-defined]
