@@ -101,6 +101,7 @@ def off(tmp_path):
         yield o
 
 
+@pytest.mark.slow  # inductor builds C++ kernels: about a minute on a cold cache, 2 cores
 @pytest.mark.parametrize(
     "options",
     [{}, {"fullgraph": True}, {"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}],
