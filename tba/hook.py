@@ -2,6 +2,8 @@
 
 It holds no logic: pack goes to the Packer (tba/pack.py), unpack to the Reader
 (tba/unpack.py). One instance per step, so every tensor is credited to the step that saved it.
+Both are ``torch.compiler.disable``d: autograd calls them while compiled code runs, and dynamo
+must not compile tba's own code (NOTE [Compiled regions] in tba/scheduler.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,35 @@ from .step import StepState
 from .subclass import DTensorHandle
 from .unpack import Reader
 
+COMPILED_STEP = (
+    "tba: a step cannot open inside code that torch.compile traces (a compiled region is one "
+    "autograd node that saves its tensors when the region ends, after the step would have "
+    "closed), so it needs a graph break here, which fullgraph=True forbids. Open the step "
+    "outside the compiled code: compile the model or its blocks, not the function that calls "
+    "`off.step()`; with tba.integrations.wrap (or a framework integration), compile first and "
+    "wrap the compiled module: `tba.integrations.wrap(torch.compile(model, fullgraph=True))`."
+)
+
+
+class EagerScope:
+    """Runs a context manager's enter and exit outside dynamo (NOTE [Compiled regions] in
+    tba/scheduler.py): traced code breaks its graph at the ``with`` (``fullgraph=True``
+    refuses, quoting :data:`COMPILED_STEP`), and at run time the step machinery runs eagerly
+    around the compiled code inside the block, never compiled as frames of its own."""
+
+    __slots__ = ("cm",)
+
+    def __init__(self, cm: Any):
+        self.cm = cm
+
+    @torch.compiler.disable(reason=COMPILED_STEP)
+    def __enter__(self) -> Any:
+        return self.cm.__enter__()
+
+    @torch.compiler.disable(reason=COMPILED_STEP)
+    def __exit__(self, *exc: Any) -> Any:
+        return self.cm.__exit__(*exc)
+
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks bound to one Packer, one Reader and one step."""
@@ -31,9 +62,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.st = step
         super().__init__(self.pack, self.unpack)
 
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
         return self.packer.pack(t, self.st)
 
+    @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, (Handle, KeptHandle, Derived)):
             return self.reader.unpack(packed)

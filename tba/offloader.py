@@ -22,7 +22,7 @@ import torch.nn as nn
 from .adaptive import DEFAULT_BUDGET_SHARE, DepthController, KeepController, PolicyController
 from .config import Config
 from .errors import UsageError
-from .hook import OffloadHooks
+from .hook import EagerScope, OffloadHooks
 from .index import Index
 from .io import IO, check_host_memory
 from .metrics import RankMetrics
@@ -75,6 +75,7 @@ class Offloader:
         self.keeper = KeepController(config.keep_last, config.prefetch_bytes)
         self.depth = DepthController(config.prefetch_bytes)
         self.groups = GroupTracker(self.keeper.k, config.group_bytes)
+        self.groups.adaptive = self.keeper.auto
         self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
         self.index = Index(on_resident=self._peak)
         self.io = IO(config, backend, self.index, self.metrics)
@@ -94,13 +95,17 @@ class Offloader:
             self._trace = TraceWriter(config.trace, meta)
 
     # -- public surface -----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, model: nn.Module | None = None) -> Iterator[Offloader]:
+    def step(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager[Offloader]:
         """Offload what autograd saves inside this block. Backward may run after it ends.
 
         ``model`` lets tba take groups from its blocks (see NOTE [Groups] in scheduler.py);
-        without it, groups are pack-order windows.
+        without it, groups are pack-order windows. Opening it in code that torch.compile traces
+        breaks the graph there (NOTE [Compiled regions]).
         """
+        return EagerScope(self._step(model))
+
+    @contextlib.contextmanager
+    def _step(self, model: nn.Module | None) -> Iterator[Offloader]:
         if not self.enabled:
             yield self
             return
@@ -198,6 +203,7 @@ class Offloader:
             self._observe_last()
             self._publish(settle=True)
             self.metrics.close()
+            self.groups.detach_all()
         if self._trace is not None:
             self._trace.close()
         io.close()

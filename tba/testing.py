@@ -7,6 +7,7 @@ different offsets), GELU MLP, optional tied embeddings, and either PyTorch's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -112,9 +113,8 @@ def strided_batches(vocab: int, seq: int, batch: int, steps: int | None = None, 
         n += 1
 
 
-# megatron-core on the CPU (examples and tests; TP=1, PP=1). GPTModel needs two shims there: its
-# global memory buffer (below) and a null context for its CUDA RNG tracker's fork (patched where
-# it is used); CudaFactoriesOnCpu moves the schedule's one CUDA allocation to the CPU.
+# megatron-core on the CPU (examples and tests): the shims, each replacing one CUDA assumption,
+# are listed in megatron_on_cpu below.
 class MegatronNoBuffer:
     """Stands in for megatron-core's global memory buffer, which allocates on the GPU."""
 
@@ -135,3 +135,49 @@ class CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
         if dev is not None and torch.device(dev).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """megatron-core's model-parallel code on the CPU with gloo, after
+    ``parallel_state.initialize_model_parallel`` (tests and examples only). Each shim replaces
+    one CUDA assumption and none replaces megatron-core's computation:
+
+    - its global memory buffer allocates on the GPU (:class:`MegatronNoBuffer`);
+    - its CUDA RNG tracker forks the CUDA generator: a null context (dropout then draws from
+      the CPU generator, identically with and without tba);
+    - its schedules allocate with ``device="cuda"`` (:class:`CudaFactoriesOnCpu`), and its
+      pipeline send/receive buffers with ``device=torch.cuda.current_device()``, which a CPU
+      build of torch cannot answer: it answers ``cpu`` here;
+    - sequence parallel reduce-scatters with ``reduce_scatter_tensor``, which gloo lacks: an
+      all-reduce followed by taking this rank's slice of the first dimension (the same sum, in
+      the same rank order on every rank).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_device, saved_rs = torch.cuda.current_device, dist.reduce_scatter_tensor
+    parallel_state._GLOBAL_MEMORY_BUFFER = MegatronNoBuffer()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    dist.reduce_scatter_tensor = _reduce_scatter_by_all_reduce
+    try:
+        with CudaFactoriesOnCpu():
+            yield
+    finally:
+        dist.reduce_scatter_tensor = saved_rs
+        torch.cuda.current_device = saved_device
+        del tracker.fork
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
+
+
+def _reduce_scatter_by_all_reduce(output, input, op=None, group=None, async_op=False):
+    import torch.distributed as dist
+
+    full = input.clone()
+    dist.all_reduce(full, group=group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    output.copy_(full.chunk(world, dim=0)[rank])
+    return None

@@ -37,7 +37,17 @@ def test_keep_last_marks_the_last_blocks_and_the_head():
     g.end()
     assert seen == [(0, False), (1, False), (2, True), (3, True)]
     assert head_kept and st.kept_groups == 2
-    assert all(not b._forward_pre_hooks for b in model.blocks)  # removed when the step ends
+    hooks = [(dict(b._forward_pre_hooks), dict(b._forward_hooks)) for b in model.blocks]
+    assert all(len(pre) == 1 for pre, _ in hooks)  # installed once per model (NOTE [Groups])
+    group = g.group
+    model(torch.randint(0, 256, (1, 8)))  # a forward outside any step: the hooks do nothing
+    assert g.group == group and g.step is None
+    g.begin(StepState(2), model)  # the next step adds nothing
+    model(torch.randint(0, 256, (1, 8)))
+    g.end()
+    assert [(dict(b._forward_pre_hooks), dict(b._forward_hooks)) for b in model.blocks] == hooks
+    g.detach_all()  # the Offloader closes
+    assert all(not b._forward_pre_hooks for b in model.blocks)
 
 
 def test_windows_keep_last_uses_previous_step():

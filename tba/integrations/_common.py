@@ -29,6 +29,7 @@ import torch
 
 from ..config import Config, format_size
 from ..errors import ConfigError
+from ..hook import EagerScope
 
 _active = threading.local()  # a wrapped forward is running in this thread
 
@@ -116,7 +117,7 @@ def wrap_forward(
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with forward_scope(offloader, groups):
+        with EagerScope(forward_scope(offloader, groups)):
             return original(*args, **kwargs)
 
     forward.__tba_original__ = (original, had_own)  # type: ignore[attr-defined]

@@ -6,6 +6,10 @@
     engine.backward(loss)         # reads come back ahead of backward; accumulation works
     engine.step()
 
+A ``PipelineEngine`` (a ``PipelineModule`` given to ``initialize``) trains through
+``engine.train_batch(data_iter)``; there every micro-batch's forward on every stage runs under
+the offloader, the last stage's loss included (NOTE [Pipeline engine] in ``_ds_pipeline.py``).
+
 ds_config (every key optional; ``"auto"`` means "not set here": the ``TBA_*`` variable, else
 tba's default; for ``keep_last``, ``"auto"`` is tba's adaptive choice)::
 
@@ -58,6 +62,12 @@ from ._common import (
     unwrap_forward,
     wrap_forward,
     wrapped_offloader,
+)
+from ._ds_pipeline import (
+    disable_pipeline,
+    enable_pipeline,
+    is_pipeline_engine,
+    pipeline_offloader,
 )
 
 __all__ = ["SECTION", "initialize", "enable", "disable", "offloader_of", "resolve_config"]
@@ -233,6 +243,9 @@ def enable(engine: Any, offloader: Offloader | None = None) -> Offloader | None:
     elif not offloader.enabled:
         return None
     disable(engine)
+    if is_pipeline_engine(engine):  # NOTE [Pipeline engine] in _ds_pipeline.py
+        enable_pipeline(engine, offloader, owned)
+        return offloader
     wrap_forward(engine, offloader, blocks_of=engine.module)
     engine.forward.tba_owned = owned  # disable() closes only an Offloader enable() made
     return offloader
@@ -241,6 +254,11 @@ def enable(engine: Any, offloader: Offloader | None = None) -> Offloader | None:
 def disable(engine: Any) -> None:
     """Undo :func:`enable`: the engine's forward is the original again, and the Offloader that
     :func:`enable` built is closed (one passed to it stays open)."""
+    off, owned = pipeline_offloader(engine)
+    if disable_pipeline(engine):
+        if owned:
+            off.close()
+        return
     off = wrapped_offloader(engine)
     owned = getattr(engine.__dict__.get("forward"), "tba_owned", False)
     if unwrap_forward(engine) and off is not None and owned:
@@ -249,7 +267,7 @@ def disable(engine: Any) -> None:
 
 def offloader_of(engine: Any) -> Offloader | None:
     """The Offloader :func:`enable` attached to ``engine`` (None when offload is off)."""
-    return wrapped_offloader(engine)
+    return pipeline_offloader(engine)[0] or wrapped_offloader(engine)
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ import torch
 
 from ..config import Config, parse_size
 from ..errors import ConfigError, UsageError, ValueParseError
+from ..hook import EagerScope
 from ..offloader import Offloader
 from ._common import build_config, describe_sources, env_config, env_kill_switch, forward_scope
 
@@ -298,8 +299,27 @@ def _find_model(pos: int | None, args: tuple, kwargs: dict) -> torch.nn.Module |
     if model is None:
         model = next((a for a in args if isinstance(a, torch.nn.Module)), None)
     if isinstance(model, (list, tuple)):
+        if len(model) > 1:
+            _warn_chunk_list(len(model))
         model = model[0] if len(model) == 1 else None
     return model if isinstance(model, torch.nn.Module) else None
+
+
+_warned_chunk_list = False
+
+
+def _warn_chunk_list(n: int) -> None:
+    global _warned_chunk_list
+    if not _warned_chunk_list:
+        _warned_chunk_list = True
+        warnings.warn(
+            f"tba.megatron: forward_step was called with a list of {n} model chunks, so tba "
+            "cannot tell which chunk runs and groups this forward's saved tensors by pack order "
+            "(TBA_GROUP_BYTES windows) instead of by layer. megatron-core's schedules pass one "
+            "chunk per call (virtual pipeline included); pass that chunk as `model`.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def wrap_forward_step(
@@ -319,7 +339,7 @@ def wrap_forward_step(
 
     @functools.wraps(forward_step_func)
     def wrapped(*a: Any, **k: Any) -> Any:
-        with forward_scope(lazy, _find_model(pos, a, k)):
+        with EagerScope(forward_scope(lazy, _find_model(pos, a, k))):
             return forward_step_func(*a, **k)
 
     wrapped.tba_offloader = lazy  # type: ignore[attr-defined]

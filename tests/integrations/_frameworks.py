@@ -11,7 +11,7 @@ import socket
 
 import torch.distributed as dist
 
-from tba.testing import CudaFactoriesOnCpu, MegatronNoBuffer
+from tba.testing import megatron_on_cpu
 
 
 def free_port() -> int:
@@ -43,21 +43,14 @@ def deepspeed_cpu() -> None:
 
 @contextlib.contextmanager
 def megatron_cpu(tmp_path):
-    """megatron-core (TP=1, PP=1) on the CPU: its global memory buffer replaced
-    (:class:`MegatronNoBuffer`), its CUDA RNG tracker's fork made a null context, and the
-    schedule's one CUDA allocation moved to the CPU (:class:`CudaFactoriesOnCpu`)."""
-    from megatron.core import parallel_state, tensor_parallel
+    """megatron-core (TP=1, PP=1) in this process on the CPU, with the shims of
+    :func:`tba.testing.megatron_on_cpu`."""
+    from megatron.core import parallel_state
 
     init_world_of_one(tmp_path)
     parallel_state.initialize_model_parallel(1, 1)
-    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    parallel_state._GLOBAL_MEMORY_BUFFER = MegatronNoBuffer()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()
     try:
-        with CudaFactoriesOnCpu():
+        with megatron_on_cpu():
             yield
     finally:
-        del tracker.fork
-        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         parallel_state.destroy_model_parallel()

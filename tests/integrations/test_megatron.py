@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -98,6 +99,17 @@ def test_misuse_is_named():
         tba_mg.add_args(argparse.ArgumentParser(), NoDocs)
     with pytest.raises(tba.UsageError, match=r"offloader\(\) takes the function wrap_forward_step"):
         tba_mg.offloader(lambda: None)
+
+
+def test_a_list_of_chunks_warns_once(monkeypatch):
+    monkeypatch.setattr(tba_mg, "_warned_chunk_list", False)
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.warns(UserWarning, match=r"list of 2 model chunks, so tba cannot tell which"):
+        assert tba_mg._find_model(1, (None, chunks), {}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tba_mg._find_model(1, (None, chunks), {}) is None  # once
+        assert tba_mg._find_model(1, (None, chunks[:1]), {}) is chunks[0]
 
 
 def test_wrapper_keeps_the_signature():
