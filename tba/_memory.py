@@ -57,7 +57,10 @@ def size_class(nbytes: int) -> int:
 # the buffer lives, the mmap's reference count is one higher (tests/test_memory.py pins this).
 # The pool holds at most ``limit`` bytes of mappings (busy or free); past that, buffers are
 # plain one-off mappings. ``trim()`` (at each step's start) unmaps the free ones, so forward
-# runs without them.
+# runs without them. The count a free mapping has is measured at every look, on a mapping that
+# is never exported, not once at import: after torch.compile has run in the process every
+# count reads one higher (measured with torch 2.13, Python 3.11), and a count taken at import
+# inside a compiled region would read one lower later, calling a buffer in use free.
 class MappedPool:
     """Recycled page-aligned anonymous mappings for read-back buffers (NOTE [Read buffer reuse])."""
 
@@ -67,13 +70,26 @@ class MappedPool:
         self.reused = 0  # buffers served from a recycled mapping
         self._maps: dict[int, list[mmap.mmap]] = {}  # size class -> mappings
         self._lock = threading.Lock()
+        # Never exported: the count a free mapping has, measured at each look (NOTE [Read
+        # buffer reuse]).
+        self._idle = [mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)]
+
+    def _free_refs(self) -> int:
+        """References a free mapping has in the loops below, counted now, through the same
+        shape of code (a list, its loop variable, ``_refs``): the interpreter's own count can
+        change while the process runs (torch.compile's frame evaluation adds one), and a count
+        taken at import could then call a buffer in use free."""
+        for m in self._idle:
+            return _refs(m)
+        raise internal_error("memory", "the read-buffer pool lost its idle mapping")
 
     def get(self, nbytes: int) -> torch.Tensor:
         size = size_class(nbytes)
         with self._lock:
             maps = self._maps.setdefault(size, [])
+            free = self._free_refs()
             for m in maps:
-                if _refs(m) <= _FREE_REFS:
+                if _refs(m) <= free:
                     self.reused += 1
                     return torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -86,10 +102,11 @@ class MappedPool:
         """Unmap every free pooled mapping; returns the bytes released."""
         released = 0
         with self._lock:
+            free = self._free_refs()
             for size, maps in self._maps.items():
                 keep = []
                 for m in maps:
-                    if _refs(m) <= _FREE_REFS:
+                    if _refs(m) <= free:
                         m.close()
                         released += size
                     else:
@@ -124,7 +141,7 @@ def _measure_free_refs() -> int:
     return free
 
 
-_FREE_REFS = _measure_free_refs()
+_measure_free_refs()  # at import: fails loudly if frombuffer stops holding its exporter
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
