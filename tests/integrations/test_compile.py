@@ -206,7 +206,6 @@ def test_step_inside_compiled_code(off):
     assert got[2] == ref_full[2] and _exact(got, ref_full)
 
 
-
 # After dynamo has raised Unsupported out of a fullgraph trace, this process's frames hold one
 # more reference to their locals than before (torch 2.13, Python 3.11: a fresh object's
 # sys.getrefcount in a loop reads 5 instead of 4, saved tensors stay alive longer). That would
