@@ -19,6 +19,7 @@ from typing import Any
 
 from ._config_values import (
     _bool,
+    _budget,
     _choice,
     _count,
     _keep,
@@ -130,6 +131,15 @@ _FIELDS: dict[str, _Field] = {
         "The last K groups (blocks) of the forward stay resident: backward needs them first. "
         "'auto' (default) chooses K from the measured compute time and disk bandwidth, so "
         "writes finish and reads arrive in time; a number fixes it (0 keeps none).",
+    ),
+    "memory_budget": _Field(
+        "TBA_MEMORY_BUDGET",
+        _budget,
+        None,
+        "Most bytes of saved tensors tba may hold in memory during a step, the read-ahead "
+        "window and kept blocks included: a size such as 2GiB, or a fraction of the step's "
+        "saved bytes such as 0.35. 'none' (default): tba keeps what adaptive keep chooses and "
+        "sizes the read-ahead window from the step's saved bytes.",
     ),
     "max_disk_bytes": _Field(
         "TBA_MAX_DISK_BYTES",
@@ -271,6 +281,7 @@ class Config:
     staging_bytes: int = _UNSET
     prefetch_bytes: int = _UNSET
     keep_last: int | str = _UNSET
+    memory_budget: int | float | None = _UNSET
     max_disk_bytes: int | None = _UNSET
     node_max_disk_bytes: int | None = _UNSET
     ssd_tbw: float | None = _UNSET
