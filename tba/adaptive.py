@@ -8,19 +8,20 @@ step's measurements to :class:`KeepController`: per group, the forward and backw
 time and the bytes that could be offloaded, and the achieved write and read bandwidth of the
 step. For each candidate K, :func:`simulate` replays the step with the simulator `tba plan`
 uses (NOTE [Simulator] in tba/simulator/engine.py), in its plain case: each group's bytes cut
-into pieces produced and consumed evenly over its time (``pieces`` in tba/simulator/rules.py),
+into pieces produced and consumed evenly over its time (``pieces`` in tba/simulator/rules.py;
+no piece larger than the step's largest read, so the window holds as many as at run time),
 one writer and one reader at the measured rates that do not slow each other, staging that
 never fills, no copy costs, and the read-ahead window in use (DepthController's). Reads run in
 reverse order within the window; a piece the read-ahead reaches while its write still runs is
 served from staging (no read); one whose read has not landed stalls backward until it does.
 
 The controller takes the smallest K whose predicted stall is at most 1% of the step, else the
-K with the shortest predicted step, among the K that fit TBA_MEMORY_BUDGET when one is set
-(NOTE [Memory budget] in tba/budget.py). It decides after step 1 (which runs with K=1), then
-every ``every`` steps, and at once when the measured bandwidth moves by more than 25%, a step
-stalled more than 1%, or a step went over the budget. The offloader sizes the read-ahead window
-(DepthController) before the controller decides, so K is chosen for the window the next step
-uses.
+smallest K whose predicted step is within 1% of the shortest, among the K that fit
+TBA_MEMORY_BUDGET when one is set (NOTE [Memory budget] in tba/budget.py). It decides after
+step 1 (which runs with K=1), then every ``every`` steps, and at once when the measured
+bandwidth moves by more than 25%, a step stalled more than 1%, or a step went over the budget.
+The offloader sizes the read-ahead window (DepthController) before the controller decides, so
+K is chosen for the window the next step uses.
 
 # NOTE [No keep-all]
 Adaptive keep never keeps every block: K is at most the number of blocks less one. A step that
@@ -88,8 +89,8 @@ def simulate(
     return _predict(_spans(groups), kept_from, write_bps, read_bps, prefetch, k)
 
 
-def _spans(groups: list[Group]) -> list[Span]:
-    return [Span(g.fwd, g.bwd, pieces(g.nbytes) + _floor(g.floor)) for g in groups]
+def _spans(groups: list[Group], piece: int = PIECE) -> list[Span]:
+    return [Span(g.fwd, g.bwd, pieces(g.nbytes, size=piece) + _floor(g.floor)) for g in groups]
 
 
 def _floor(nbytes: int) -> list[Saved]:
@@ -198,7 +199,7 @@ class KeepController:
         due = step - self.decided_at >= self.every
         if not (drifted or due or over or stalled > STALL_SHARE * base):
             return
-        spans = _spans(groups)
+        spans = _spans(groups, min(PIECE, largest_read) if largest_read else PIECE)
         if allowed is None:
             preds = [
                 _predict(spans, kept_from(k), w, r, self.prefetch, k) for k in range(max_k + 1)
@@ -216,11 +217,15 @@ class KeepController:
         fitting = [p for p in allowed_k if allowed is None or p.peak_bytes <= limit]
         if fitting:
             fits = [p for p in fitting if p.stall_seconds <= STALL_SHARE * base]
-            best = fits[0] if fits else min(fitting, key=lambda p: (p.step_seconds, p.k))
+            if not fits:  # the smallest K within STALL_SHARE of the fastest predicted step
+                fastest = min(p.step_seconds for p in fitting)
+                fits = [p for p in fitting if p.step_seconds <= fastest + STALL_SHARE * base]
+            best = fits[0]
             why = (
                 f"smallest K with predicted stall <= {STALL_SHARE:.0%} of the step"
-                if fits
-                else "no K avoids stalls: the fastest predicted step"
+                if best.stall_seconds <= STALL_SHARE * base
+                else f"no K avoids stalls: the smallest K within {STALL_SHARE:.0%} of the "
+                "fastest predicted step"
             )
             if allowed is not None:
                 why += " within TBA_MEMORY_BUDGET"

@@ -420,3 +420,17 @@ def test_offloader_reports_its_budget(make_offloader):
     train(none, steps=1)
     assert none.stats()["budget_decision"]["allowed_bytes"] is None
     assert none.stats()["budget_decision"]["met"] is None
+
+
+def test_pieces_are_no_larger_than_the_largest_read():
+    """Blocks of 28 MB read as 8 MiB tensors through a 19.5 MB window: two reads fit, so a
+    fast disk hides every read. Cut into 14 MB pieces the window would hold one, and the
+    prediction would stall on every block (it chose K=5 of 6 on a small GPT)."""
+    recs = records(6, 0.2, 0.4, 28 * MB)
+    cut = KeepController("auto", prefetch_bytes=19_500_000)
+    cut.observe(1, recs, 400 * MB, 440 * MB, lambda k: 6 - k, 6, largest_read=8 * MIB)
+    dec = cut.decision
+    assert cut.k == 0 and dec["predicted_stall_seconds"] <= 0.01 * dec["compute_seconds"]
+    whole = KeepController("auto", prefetch_bytes=19_500_000)
+    whole.observe(1, recs, 400 * MB, 440 * MB, lambda k: 6 - k, 6)  # nothing said: PIECE
+    assert whole.decision["candidates"][0] > cut.decision["candidates"][0]

@@ -83,16 +83,18 @@ def kept_from(blocks: Sequence[bool], keep: int) -> int:
     return len(blocks)
 
 
-def pieces(nbytes: int, name: str = "") -> list[Saved]:
+def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
     """A group's offloadable bytes when only their total is known (measurements, a trace):
-    pieces of at most PIECE bytes, one per equal slice of the group's time. Piece j of n is
+    pieces of at most ``size`` bytes (PIECE, or the measured largest read when smaller, so that
+    a window of two reads holds two pieces, as it holds two tensors at run time), one per equal
+    slice of the group's time. Piece j of n is
     packed in the middle of forward slice j (where its tensors are on average), needed when
     backward reaches that slice, and released when backward leaves it (tba reads and releases
     tensor by tensor, so a group larger than the window is read while the one before it is
     consumed, not after)."""
     if nbytes <= 0:
         return []
-    n = -(-nbytes // PIECE)
+    n = -(-nbytes // max(1, size))
     q, extra = divmod(nbytes, n)
     return [
         Saved(f"{name}{j}", q + (j < extra), (j + 0.5) / n, 1 - (j + 1) / n, None, 1 - j / n)
