@@ -269,3 +269,39 @@ def _block_policy(value: Any) -> tuple[tuple[int, str], ...] | None:
             raise ValueParseError(value, _BLOCK_POLICY_HELP + f"; block {index} is named twice")
         out[index] = action.strip().lower()
     return tuple(sorted(out.items())) or None
+
+
+_BUDGET_EXPECTED = (
+    "a fraction of the step's saved bytes in (0, 1], such as 0.35 or 35%, a size of at least "
+    "1MiB, such as 2GiB, or 'none'"
+)
+
+
+def _budget(value: Any) -> int | float | None:
+    """TBA_MEMORY_BUDGET: ``None`` (no budget), a fraction (a float in (0, 1]) of the step's
+    saved bytes, or bytes (an int of at least 1 MiB). A number with a point or a percent sign
+    is a fraction, a whole number or a size is bytes (NOTE [Memory budget] in tba/budget.py)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    if isinstance(value, bool):
+        raise ValueParseError(value, _BUDGET_EXPECTED)
+    share: float | None = None
+    if isinstance(value, float):
+        share = value
+    elif isinstance(value, str) and ("." in value or value.strip().endswith("%")):
+        text = value.strip()
+        try:
+            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ValueParseError(value, _BUDGET_EXPECTED) from None
+    if share is not None:
+        if not 0 < share <= 1:
+            raise ValueParseError(value, _BUDGET_EXPECTED)
+        return float(share)
+    try:
+        n = parse_size(value)
+    except ValueParseError:
+        raise ValueParseError(value, _BUDGET_EXPECTED) from None
+    if n < 1 << 20:
+        raise ValueParseError(value, _BUDGET_EXPECTED + f" ({n} bytes is too small to hold a step)")
+    return n

@@ -22,6 +22,7 @@ from ._config_values import (
     POLICIES,
     _block_policy,
     _bool,
+    _budget,
     _choice,
     _count,
     _keep,
@@ -184,6 +185,15 @@ _FIELDS: dict[str, _Field] = {
         "e.g. recompute,offload,recompute, or index:action pairs, e.g. 0:recompute,5:keep. "
         "Blocks not named follow TBA_POLICY. For tests and experiments.",
     ),
+    "memory_budget": _Field(
+        "TBA_MEMORY_BUDGET",
+        _budget,
+        None,
+        "Most bytes of saved tensors tba may hold in memory during a step, the read-ahead "
+        "window and kept blocks included: a size such as 2GiB, or a fraction of the step's "
+        "saved bytes such as 0.35. 'none' (default): tba keeps what adaptive keep chooses and "
+        "sizes the read-ahead window from the step's saved bytes.",
+    ),
     "max_disk_bytes": _Field(
         "TBA_MAX_DISK_BYTES",
         _quota,
@@ -338,6 +348,7 @@ class Config:
     keep_last: int | str = _UNSET
     policy: str = _UNSET
     block_policy: tuple[tuple[int, str], ...] | None = _UNSET
+    memory_budget: int | float | None = _UNSET
     max_disk_bytes: int | None = _UNSET
     node_max_disk_bytes: int | None = _UNSET
     ssd_tbw: float | None = _UNSET

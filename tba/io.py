@@ -127,6 +127,21 @@ class IO:
         self.index.charge(e.padded)
         return host
 
+    def staged_to_host(self, e: Entry) -> None:
+        """``e``'s write completed while the read-ahead wanted it: its bytes leave staging for a
+        read buffer of their own. A direct block's bytes are that buffer already, so the charge
+        moves from staging to the buffer and is never counted twice (a whole-step spike of
+        ``peak_resident_bytes`` for a large last tensor, e.g. a language model's logits). Lock
+        held."""
+        blk = e.staging
+        if isinstance(blk, DirectBlock):
+            self.free_staging(e)
+            self.index.charge(e.padded)
+            e.hold(blk.tensor, from_disk=False)
+            return
+        e.hold(self.copy_out(e), from_disk=False)
+        self.free_staging(e)
+
     # -- transfers ----------------------------------------------------------------------------
     def write(
         self, extent: Extent, buf: Any, stat: GroupStat, span: Span = None

@@ -19,7 +19,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adaptive import DEFAULT_BUDGET_SHARE, DepthController, KeepController, PolicyController
+from .adaptive import (
+    DEFAULT_BUDGET_SHARE,
+    DepthController,
+    KeepController,
+    PolicyController,
+    adapt,
+)
+from .budget import allowed_bytes
+from .budget import decision as budget_decision
 from .config import Config
 from .errors import UsageError
 from .hook import EagerScope, OffloadHooks
@@ -72,8 +80,11 @@ class Offloader:
         except BaseException:
             backend.close()
             raise
-        self.keeper = KeepController(config.keep_last, config.prefetch_bytes)
-        self.depth = DepthController(config.prefetch_bytes)
+        self.keeper = KeepController(
+            config.keep_last, config.prefetch_bytes, budget=config.memory_budget
+        )
+        scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
+        self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
         self.groups = GroupTracker(self.keeper.k, config.group_bytes)
         self.groups.adaptive = self.keeper.auto
         self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
@@ -152,6 +163,8 @@ class Offloader:
                 self._active_thread = None
                 self.packer.param_storages = frozenset()
                 self._last = st
+                if not self.depth.measured:  # NOTE [Memory budget]: the first step's window
+                    self.prefetcher.budget = self.depth.first(st.saved_bytes, self._room(st))
                 self.prefetcher.arm(st)
                 self._publish(settle=False)
 
@@ -170,6 +183,7 @@ class Offloader:
             out["prefetch_decision"] = dict(self.depth.decision)
             out["policy"] = self.config.policy
             out["policy_decision"] = dict(self.policy.decision)
+            out["budget_decision"] = self._budget_decision()
             out["resident_bytes"] = self.index.resident
             out["prefetch_inflight_bytes"] = self.prefetcher.inflight
             out["live_entries"] = len(self.io.live)
@@ -225,10 +239,20 @@ class Offloader:
         w, r = st.bandwidth(True), st.bandwidth(False)
         n = len(records)
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
-        self.keeper.observe(st.index, records, w, r, kept_from, self.groups.max_keep(n))
-        self.depth.observe(st.index, records, r, st.largest_read())
+        self.prefetcher.budget = adapt(
+            self.keeper,
+            self.depth,
+            st.index,
+            records,
+            w,
+            r,
+            kept_from,
+            self.groups.max_keep(n),
+            largest_read=st.largest_read(),
+            saved_bytes=st.saved_bytes,
+            peak_bytes=st.peak_resident_bytes,
+        )
         self.policy.observe(st.index, records, w, r, self._memory_budget, self.depth.depth)
-        self.prefetcher.budget = self.keeper.prefetch = self.depth.depth
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
             self._trace.step(
@@ -256,8 +280,10 @@ class Offloader:
 
     def _memory_budget(self, saved_bytes: int) -> int | None:
         """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
-        ``saved_bytes``. Until TBA_MEMORY_BUDGET exists: DEFAULT_BUDGET_SHARE of them."""
-        return int(DEFAULT_BUDGET_SHARE * saved_bytes)
+        ``saved_bytes``: TBA_MEMORY_BUDGET (NOTE [Memory budget]), or without one
+        DEFAULT_BUDGET_SHARE of them, so that TBA_POLICY=auto always has a bound."""
+        allowed = allowed_bytes(self.config.memory_budget, saved_bytes)
+        return allowed if allowed is not None else int(DEFAULT_BUDGET_SHARE * saved_bytes)
 
     def _log_policy(self, st: StepState) -> None:
         """Log the per-block actions a forward ran with, once per change (lock held)."""
@@ -276,6 +302,29 @@ class Offloader:
         with self.io.lock:
             now = self.index.resident + stat.hidden_bytes
             st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
+
+    def _room(self, st: StepState) -> int | None:
+        """What TBA_MEMORY_BUDGET leaves for the read-ahead window of a step whose forward just
+        ended (None: no budget): its allowed bytes less what is resident now."""
+        allowed = allowed_bytes(self.config.memory_budget, st.saved_bytes)
+        return None if allowed is None else allowed - self.index.resident
+
+    def _budget_decision(self) -> dict[str, Any]:
+        """``stats()["budget_decision"]``: the budget, the bytes it allowed the last step, the
+        window and K it led to, and whether the step's peak kept within it."""
+        st = self._last
+        saved = st.saved_bytes if st is not None else 0
+        allowed = allowed_bytes(self.config.memory_budget, saved)
+        peak = st.peak_resident_bytes if st is not None else 0
+        return budget_decision(
+            self.config.memory_budget,
+            saved,
+            window_bytes=self.depth.depth,
+            window_room_bytes=self.keeper.room,
+            keep_last=self.keeper.k,
+            peak_resident_bytes=peak,
+            met=None if allowed is None or st is None else peak <= allowed,
+        )
 
     def _publish(self, settle: bool) -> None:
         """Push counters and gauges to the metrics (NOTE [Metrics] in tba/metrics.py). With

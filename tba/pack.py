@@ -357,8 +357,9 @@ class Packer:
             e.written(fut.result())
             e.settle(None)
             if e.want and e.host is None:  # prefetch asked while it was being written
-                e.hold(io.copy_out(e), from_disk=False)
-            io.free_staging(e)
+                io.staged_to_host(e)
+            else:
+                io.free_staging(e)
             self.index.bury()
             if e.want:
                 io.on_host()  # NOTE [Device prefetch]

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import tba
-from tba.adaptive import DEPTH_SAFETY, DepthController, Group, KeepController, simulate
+from tba.adaptive import (
+    DEPTH_SAFETY,
+    FLOOR_AGE,
+    DepthController,
+    Group,
+    KeepController,
+    adapt,
+    simulate,
+)
 from tba.testing import GPT, GPTConfig, random_batch
 
 MIB = 1 << 20
@@ -181,7 +189,7 @@ def test_depth_is_the_largest_read_plus_what_backward_eats_while_it_is_read():
     d = DepthController(cap=128 * MIB)
     # backward consumes 100 MiB/s, the disk reads 1000 MiB/s, the largest read is 8 MiB
     d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
-    assert d.depth == int(8 * MIB * (1 + DEPTH_SAFETY * 0.1))
+    assert d.depth == int(8 * MIB * (2 + DEPTH_SAFETY * 0.1))
     assert d.decision["cap"] == 128 * MIB and d.decision["step"] == 2
 
 
@@ -191,13 +199,13 @@ def test_depth_is_the_cap_when_the_disk_is_slower_than_backward():
     assert d.depth == 64 * MIB and "slower" in d.decision["reason"]
 
 
-def test_depth_never_exceeds_the_cap_and_covers_one_read():
+def test_depth_never_exceeds_the_cap_and_covers_two_reads():
     d = DepthController(cap=4 * MIB)
     d.observe(2, [_rec(0.5, 1.0, 10 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
     assert d.depth == 4 * MIB  # the cap wins, as the user asked (reads then go one at a time)
     d = DepthController(cap=64 * MIB)
     d.observe(2, [_rec(0.5, 1.0, 1 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
-    assert 8 * MIB <= d.depth < 9 * MIB
+    assert 16 * MIB <= d.depth < 17 * MIB  # one entry consumed while the next is read
 
 
 def test_a_stall_raises_a_floor_that_stays():
@@ -236,3 +244,193 @@ def test_offloader_sizes_its_window_from_measurements(make_offloader):
     assert dec["largest_read"] >= 2 * MIB
     assert dec["largest_read"] <= dec["depth"] <= 64 * MIB
     assert off.prefetcher.budget == dec["depth"]
+
+
+# -- the keep-all trap (NOTE [No keep-all]) and TBA_MEMORY_BUDGET (NOTE [Memory budget]) ------
+LLAMA_BLOCK, LLAMA_HEAD = 123 * MB, 262 * MB  # a 6-layer HF Llama, hidden 768, batch 4, seq 512
+
+
+def llama_records(k, stall=0.0):
+    """Group records of that Llama with keep-last ``k``: 13 groups (odd ones are the blocks),
+    the last one the head with its log-softmax output; ``stall`` spread over offloaded blocks."""
+    first = 2 * (6 - k) + 1 if k else 13
+    moved = sum(1 for g in range(1, 13, 2) if g < first)
+    out = []
+    for g in range(13):
+        fwd, bwd, n = (1.2, 2.4, LLAMA_BLOCK) if g % 2 else (0.01, 0.02, 0)
+        if g == 12:
+            fwd, bwd, n = 0.5, 0.8, LLAMA_HEAD
+        kept = g >= first
+        out.append(
+            {
+                "fwd_seconds": fwd,
+                "bwd_seconds": bwd,
+                "offloaded_bytes": 0 if kept else n,
+                "keepable_bytes": n if kept else 0,
+                "kept_bytes": (n if kept else 0) + 2 * MIB,
+                "stall_seconds": stall / moved if g % 2 and not kept and moved else 0.0,
+            }
+        )
+    return out
+
+
+def llama_kept_from(k):
+    return 2 * (6 - k) + 1 if k else 13
+
+
+def drive(keeper, depth, steps, slow_step=2, saved=LLAMA_HEAD + 6 * LLAMA_BLOCK):
+    """The offloader's loop over the controllers: a step moves bytes only when some block is
+    offloaded; during ``slow_step`` the disk is slow and backward stalls, then it recovers."""
+    ks = []
+    for step in range(1, steps + 1):
+        recs = llama_records(keeper.k, stall=1.0 if step == slow_step else 0.0)
+        moved = any(r["offloaded_bytes"] for r in recs)
+        bw = (60 * MB, 30 * MB) if step == slow_step else (900 * MB, 500 * MB)
+        w, r = bw if moved else (None, None)
+        adapt(
+            keeper,
+            depth,
+            step,
+            recs,
+            w,
+            r,
+            llama_kept_from,
+            6,
+            largest_read=16 * MIB if moved else 0,
+            saved_bytes=saved,
+            peak_bytes=0,
+        )
+        ks.append(keeper.k)
+    return ks
+
+
+def test_a_stall_does_not_park_adaptive_keep_in_keep_all():
+    # Before the fix: the stalled step made K=6, which moves no bytes and measures nothing, so
+    # the stale slow bandwidth kept K=6 (no memory saved) for as long as nothing else changed.
+    ks = drive(KeepController("auto", 128 << 20), DepthController(128 << 20), steps=30)
+    assert ks[0] == 0  # a fast disk: everything offloaded
+    assert ks[1] > 0  # the slow, stalled step made it keep more ...
+    assert max(ks) < 6  # ... but never every block, so the next step measures the disk again
+    assert ks[2:] == [0] * 28  # and it returns to offloading as soon as the disk recovers
+
+
+def test_auto_never_keeps_every_block():
+    ctl = KeepController("auto", prefetch_bytes=128 << 20)
+    ctl.observe(1, records(6, 0.1, 0.2, 100 * MB), 50 * MB, 50 * MB, lambda k: 6 - k, 6)
+    assert ctl.k == 5
+    assert set(ctl.decision["candidates"]) == set(range(7))  # keep-all is still predicted
+    one = KeepController("auto", prefetch_bytes=128 << 20)
+    one.observe(1, records(1, 0.1, 0.2, 100 * MB), 1 * MB, 1 * MB, lambda k: 1 - k, 1)
+    assert one.k == 0  # a single group: offloaded, never kept whole
+
+
+def test_a_stall_floor_ages_away():
+    d = DepthController(cap=128 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    small = d.depth
+    d.observe(3, [_rec(0.5, 1.0, 100 * MIB, stall=0.2)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == 2 * small
+    for step in range(4, 4 + 2 * FLOOR_AGE + 1):
+        d.observe(step, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    assert d.depth == small
+
+
+def test_default_window_scales_with_the_steps_saved_bytes():
+    d = DepthController(cap=128 * MIB, scaled=True)
+    assert d.first(40 * MIB, None) == 5 * MIB  # an eighth of a small step, not 128 MiB
+    assert d.decision["cap"] == 5 * MIB
+    d.observe(2, [_rec(0.5, 1.0, 40 * MIB)], read_bps=1000 * MIB, largest_read=4 * MIB)
+    assert 8 * MIB <= d.depth <= 9 * MIB  # two largest reads still fit: the cap grows to them
+    big = DepthController(cap=128 * MIB, scaled=True)
+    assert big.first(10 << 30, None) == 128 * MIB
+    assert DepthController(cap=128 * MIB, scaled=True).first(10 << 30, 20 * MIB) == 20 * MIB
+    fixed = DepthController(cap=128 * MIB)  # TBA_PREFETCH_BYTES set: the cap stands
+    assert fixed.first(40 * MIB, None) == 128 * MIB
+
+
+def test_budget_cuts_the_window_but_never_below_one_read():
+    d = DepthController(cap=128 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    d.limit(2, None)
+    assert d.depth > 16 * MIB
+    d.limit(2, 12 * MIB)
+    assert d.depth == 12 * MIB and "TBA_MEMORY_BUDGET" in d.decision["reason"]
+    d.limit(2, 1 * MIB)
+    assert d.depth == 8 * MIB
+
+
+LLAMA_SAVED = LLAMA_HEAD + 6 * LLAMA_BLOCK + 13 * 2 * MIB
+
+
+def decide(budget, bps):
+    ctl = KeepController("auto", 128 << 20, budget=budget)
+    kw = dict(largest_read=16 * MIB, saved_bytes=LLAMA_SAVED)
+    ctl.observe(1, llama_records(1), bps, bps, llama_kept_from, 6, **kw)
+    return ctl
+
+
+def test_budget_cuts_the_window_to_the_room_it_leaves():
+    free, bound = decide(None, 300 * MB), decide(0.2, 300 * MB)
+    assert free.k == bound.k == 0 and free.room is None
+    dec = bound.decision
+    assert dec["allowed_bytes"] == int(0.2 * LLAMA_SAVED)
+    assert dec["predicted_peak_bytes"] <= dec["allowed_bytes"]
+    assert "within TBA_MEMORY_BUDGET" in dec["reason"]
+    assert 16 * MIB < bound.room < 128 << 20  # cut, yet more than one read
+    assert dec["candidate_peaks"][0] == dec["predicted_peak_bytes"]
+    assert all(dec["candidate_peaks"][k] > dec["allowed_bytes"] for k in range(1, 7))
+
+
+def test_a_budget_no_k_meets_takes_the_smallest_peak_and_says_so():
+    free, bound = decide(None, 30 * MB), decide(0.35, 30 * MB)
+    assert free.k >= 2  # a slow disk: unbounded, it keeps blocks
+    dec = bound.decision
+    assert "no K meets TBA_MEMORY_BUDGET" in dec["reason"]
+    peaks = dec["candidate_peaks"]
+    assert bound.k < free.k and peaks[bound.k] == min(peaks[k] for k in range(6))
+
+
+def test_a_step_over_budget_re_decides_with_a_margin():
+    saved = LLAMA_SAVED
+    ctl = KeepController("auto", 128 << 20, budget=0.5, every=100)
+    kw = dict(largest_read=16 * MIB, saved_bytes=saved)
+    ctl.observe(1, llama_records(1), 900 * MB, 500 * MB, llama_kept_from, 6, **kw)
+    first = dict(ctl.decision)
+    ctl.observe(2, llama_records(ctl.k), 900 * MB, 500 * MB, llama_kept_from, 6, **kw)
+    assert ctl.decision == first  # nothing changed: no new decision
+    over = int(0.5 * saved) + 50 * MB
+    recs = llama_records(ctl.k)
+    ctl.observe(3, recs, 900 * MB, 500 * MB, llama_kept_from, 6, peak_bytes=over, **kw)
+    assert ctl.decision["step"] == 3
+    assert ctl.margin == over - first["predicted_peak_bytes"] > 0
+    assert ctl.decision["predicted_peak_bytes"] <= int(0.5 * saved) - ctl.margin
+
+
+def test_offloader_reports_its_budget(make_offloader):
+    off = make_offloader(memory_budget=0.5, keep_last="auto")
+    train(off, steps=3)
+    st = off.stats()
+    dec = st["budget_decision"]
+    assert dec["budget"] == 0.5 and dec["describe"] == "0.5 of saved_bytes"
+    assert dec["allowed_bytes"] == int(0.5 * st["saved_bytes"])
+    assert dec["window_bytes"] == off.prefetcher.budget == st["prefetch_decision"]["depth"]
+    assert dec["keep_last"] == st["keep_last"] < CFG.layers
+    assert isinstance(dec["met"], bool)
+    none = make_offloader()
+    train(none, steps=1)
+    assert none.stats()["budget_decision"]["allowed_bytes"] is None
+    assert none.stats()["budget_decision"]["met"] is None
+
+
+def test_pieces_are_no_larger_than_the_largest_read():
+    """Blocks of 28 MB read as 8 MiB tensors through a 19.5 MB window: two reads fit, so a
+    fast disk hides every read. Cut into 14 MB pieces the window would hold one, and the
+    prediction would stall on every block (it chose K=5 of 6 on a small GPT)."""
+    recs = records(6, 0.2, 0.4, 28 * MB)
+    cut = KeepController("auto", prefetch_bytes=19_500_000)
+    cut.observe(1, recs, 400 * MB, 440 * MB, lambda k: 6 - k, 6, largest_read=8 * MIB)
+    dec = cut.decision
+    assert cut.k == 0 and dec["predicted_stall_seconds"] <= 0.01 * dec["compute_seconds"]
+    whole = KeepController("auto", prefetch_bytes=19_500_000)
+    whole.observe(1, recs, 400 * MB, 440 * MB, lambda k: 6 - k, 6)  # nothing said: PIECE
+    assert whole.decision["candidates"][0] > cut.decision["candidates"][0]

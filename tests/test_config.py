@@ -181,3 +181,35 @@ def test_config_is_the_only_reader_of_the_environment():
                 with open(path) as f:
                     found += [f"{path}:{n}" for n, ln in enumerate(f, 1) if readers.search(ln)]
     assert found == []
+
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ("0.35", 0.35),
+        ("35%", 0.35),
+        (" 1.0 ", 1.0),
+        (0.5, 0.5),
+        ("2GiB", 2 << 30),
+        (64 << 20, 64 << 20),
+        ("none", None),
+        ("", None),
+    ],
+)
+def test_memory_budget_is_a_fraction_or_bytes(raw, want):
+    assert budget_config(raw).memory_budget == want
+    assert Config(environ={}).memory_budget is None
+
+
+def budget_config(raw):
+    """TBA_MEMORY_BUDGET from the environment (a string) or as an argument (anything else)."""
+    if isinstance(raw, str):
+        return Config(environ={"TBA_MEMORY_BUDGET": raw})
+    return Config(environ={}, memory_budget=raw)
+
+
+@pytest.mark.parametrize("raw", ["1", "0", "1.5", "0%", "abc", "-0.2", "512KiB", True])
+def test_bad_memory_budget_is_a_config_error_naming_the_fix(raw):
+    with pytest.raises(tba.ConfigError, match="MEMORY_BUDGET|memory_budget") as got:
+        budget_config(raw)
+    assert "such as 0.35" in str(got.value) and "2GiB" in str(got.value)

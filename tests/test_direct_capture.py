@@ -230,3 +230,22 @@ def test_checksums_cover_the_tensor_not_the_pages_around_it(make_offloader, chec
     del x
     loss.backward()
     assert torch.equal(w.grad, want) and off.stats()["bytes_reloaded"] > 0
+
+
+def test_read_ahead_served_when_the_write_lands_is_charged_once(make_offloader):
+    """The read-ahead asked for a tensor whose write still ran; when the write lands, its own
+    bytes become the read buffer: peak_resident_bytes counts them once, not as staging and a
+    read buffer at the same time (on a language model, the logits doubled the peak)."""
+    off, ev, w, x = gated(make_offloader, prefetch_bytes="8MiB")
+    with off.step():
+        loss = (x.exp() * w).sum()
+    (e,) = direct_entries(off)
+    assert e.want  # the plan reached it while its write was blocked
+    ev.set()
+    off.synchronize()  # the write lands: served from its own bytes, no read
+    assert e.host is not None and pool_of(off).held == 0
+    loss.backward()
+    assert torch.equal(w.grad, x.exp())
+    st = off.stats()
+    assert st["bytes_reloaded"] == 0 and st["bytes_offloaded"] == MiB
+    assert MiB <= st["peak_resident_bytes"] <= MiB + 8192  # one tensor, its pages rounded up

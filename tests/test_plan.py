@@ -106,9 +106,10 @@ def test_infinite_bandwidth_no_stall_step_is_compute():
         head = 2 * MiB if k == 0 else 0  # the head is kept with the last block, from K=1
         assert r.bytes_read == r.bytes_written == (3 - k) * 16 * MiB + head
     # K=1: the last block and the head stay; the read-ahead window is charged at forward end.
-    # With reads infinitely fast it is one tensor (NOTE [Prefetch depth]): here 4 MiB.
-    r = P.simulate(w, INF, P.Knobs(prefetch_bytes=8 * MiB), 1)
-    assert r.peak_resident_bytes == 16 * MiB + 2 * MiB + 4 * MiB
+    # With reads infinitely fast it is two tensors, one consumed while the next is read (NOTE
+    # [Prefetch depth]): here 8 MiB.
+    r = P.simulate(w, INF, P.Knobs(prefetch_bytes=16 * MiB), 1)
+    assert r.peak_resident_bytes == 16 * MiB + 2 * MiB + 8 * MiB
 
 
 def test_peak_formula_by_hand():

@@ -84,16 +84,18 @@ def kept_from(blocks: Sequence[bool], keep: int) -> int:
     return len(blocks)
 
 
-def pieces(nbytes: int, name: str = "") -> list[Saved]:
+def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
     """A group's offloadable bytes when only their total is known (measurements, a trace):
-    pieces of at most PIECE bytes, one per equal slice of the group's time. Piece j of n is
+    pieces of at most ``size`` bytes (PIECE, or the measured largest read when smaller, so that
+    a window of two reads holds two pieces, as it holds two tensors at run time), one per equal
+    slice of the group's time. Piece j of n is
     packed in the middle of forward slice j (where its tensors are on average), needed when
     backward reaches that slice, and released when backward leaves it (tba reads and releases
     tensor by tensor, so a group larger than the window is read while the one before it is
     consumed, not after)."""
     if nbytes <= 0:
         return []
-    n = -(-nbytes // PIECE)
+    n = -(-nbytes // max(1, size))
     q, extra = divmod(nbytes, n)
     return [
         Saved(f"{name}{j}", q + (j < extra), (j + 0.5) / n, 1 - (j + 1) / n, None, 1 - j / n)
@@ -102,21 +104,27 @@ def pieces(nbytes: int, name: str = "") -> list[Saved]:
 
 
 # NOTE [Prefetch depth]
-# TBA_PREFETCH_BYTES caps the read-ahead window; within it, the window (the bytes read ahead
-# and not yet consumed by backward) is sized from measurements of the last observed step:
+# TBA_PREFETCH_BYTES caps the read-ahead window (without it, the default cap scales with the
+# step's saved bytes: default_window_cap in tba/budget.py); within the cap, the window (the bytes
+# read ahead and not yet consumed by backward) is sized from measurements of the last step:
 #
-#   depth = L * (1 + SAFETY * c / r),  within [L, cap]
+#   depth = L * (2 + SAFETY * c / r),  within [L, cap]
 #
 # L is the largest single read (a tensor's extent, or a whole coalesced batch), c the rate at
 # which backward consumed offloaded bytes (their bytes over backward compute time) and r the
-# achieved read bandwidth. While one read of L bytes is in flight (L / r seconds), backward
-# consumes c * L / r bytes, so the window must hold that much beyond the read itself for the
-# next read to be issued early enough; SAFETY (2) absorbs jitter. When the disk reads slower
+# achieved read bandwidth. An entry holds its budget until its last use, so the window holds
+# the entry backward is consuming and the next one, being read: two largest reads (double
+# buffering; with one, the next read starts only when the current entry is done and backward
+# waits for every read, or loads it synchronously). While a read of L bytes is in flight (L / r
+# seconds) backward consumes c * L / r bytes, so the window holds that much more for the read
+# after it to be issued early enough; SAFETY (2) absorbs jitter. When the disk reads slower
 # than backward consumes (r <= c), no window hides that, and the cap is used (adaptive keep
 # then keeps more). A step that stalls more than STALL_SHARE of its compute raises a floor: the
-# depth never drops below twice the depth that stalled (up to the cap; DepthController in
-# tba/adaptive.py). A smaller window is a lower peak: on W1 the read-ahead window is most of
-# what tba keeps resident in backward.
+# depth does not drop below twice the depth that stalled (up to the cap; DepthController in
+# tba/adaptive.py) until FLOOR_AGE steps pass without a stall, when the floor halves. A smaller
+# window is a lower peak: on W1 the read-ahead window is most of what tba keeps resident in
+# backward. TBA_MEMORY_BUDGET can cut the window below this (NOTE [Memory budget] in
+# tba/budget.py), never below one largest read.
 DEPTH_SAFETY = 2.0
 
 
@@ -124,6 +132,6 @@ def read_ahead(largest: int, consume_bps: float, read_bps: float, cap: int) -> t
     """The read-ahead window for these measurements, and why (NOTE [Prefetch depth])."""
     if consume_bps >= read_bps:
         return cap, "the disk reads slower than backward consumes: the cap"
-    want = int(largest * (1 + DEPTH_SAFETY * consume_bps / read_bps))
-    why = "largest read plus what backward consumes while it is read, twice over"
+    want = int(largest * (2 + DEPTH_SAFETY * consume_bps / read_bps))
+    why = "two largest reads plus what backward consumes while one is read, twice over"
     return min(cap, max(want, largest)), why
