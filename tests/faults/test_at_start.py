@@ -13,7 +13,7 @@ from .util import config
 
 
 def read_only(fs):
-    assert fs.remount("ro").returncode == 0
+    fs.must_remount("ro")
     return lambda: fs.remount("rw")
 
 

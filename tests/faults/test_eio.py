@@ -17,6 +17,18 @@ import tba
 from .util import BACKENDS, assert_exact, grads, loss_of, make_batch, make_model, sweep, train_step
 
 
+def close_after_shutdown(off, fs, baseline) -> None:
+    """Close ``off`` on a shut-down filesystem, then count what is left once it is mounted
+    again: only the spill dir, whose removal failed with EIO (empty, for the janitor), and
+    after the janitor's sweep not a byte."""
+    spill = os.path.basename(off.backend.spill_path)
+    off.close()
+    fs.cycle()
+    assert fs.files_under_root() == [spill]
+    sweep(fs.root)
+    fs.assert_no_bytes_left(baseline)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_writes_after_a_shutdown_keep_the_bytes_in_memory(loop_ext4, offloaders, backend):
     fs = loop_ext4
@@ -32,12 +44,7 @@ def test_writes_after_a_shutdown_keep_the_bytes_in_memory(loop_ext4, offloaders,
     assert st["tensors_offloaded"] == 0, st
     assert st["kept_reasons"] == {"io_error": first["tensors_offloaded"]}, st["kept_reasons"]
     assert off.backend.usage()["io_errors"] > 0
-    spill = os.path.basename(off.backend.spill_path)
-    off.close()
-    fs.cycle()
-    assert fs.files_under_root() == [spill]  # its removal failed (EIO): empty, for the janitor
-    sweep(fs.root)
-    fs.assert_no_bytes_left(baseline)
+    close_after_shutdown(off, fs, baseline)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,12 +64,7 @@ def test_bytes_on_disk_at_a_shutdown_raise_a_storage_error(loop_ext4, offloaders
         loss.backward()
     assert e.value.errno == errno.EIO
     del loss
-    spill = os.path.basename(off.backend.spill_path)
-    off.close()
-    fs.cycle()
-    assert fs.files_under_root() == [spill]  # its removal failed (EIO): empty, for the janitor
-    sweep(fs.root)
-    fs.assert_no_bytes_left(baseline)
+    close_after_shutdown(off, fs, baseline)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -86,9 +88,4 @@ def test_a_shutdown_while_writes_are_in_flight(loop_ext4, offloaders, backend):
         loss.backward()
     assert e.value.errno == errno.EIO
     del loss
-    spill = os.path.basename(off.backend.spill_path)
-    off.close()
-    fs.cycle()
-    assert fs.files_under_root() == [spill]  # its removal failed (EIO): empty, for the janitor
-    sweep(fs.root)
-    fs.assert_no_bytes_left(baseline)
+    close_after_shutdown(off, fs, baseline)

@@ -23,13 +23,12 @@ from .util import (
     warnings_text,
 )
 
-
-def remount(fs, mode: str) -> None:
-    r = fs.remount(mode)
-    assert r.returncode == 0, r.stderr
-
-
-READ_ONLY = (lambda fs: remount(fs, "ro"), lambda fs: remount(fs, "rw"), "read_only", "EROFS")
+READ_ONLY = (
+    lambda fs: fs.must_remount("ro"),
+    lambda fs: fs.must_remount("rw"),
+    "read_only",
+    "EROFS",
+)
 SHUTDOWN = (LoopExt4.shutdown, LoopExt4.cycle, "io_error", "EIO")
 
 

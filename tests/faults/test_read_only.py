@@ -22,11 +22,6 @@ from .util import (
 )
 
 
-def remount(fs, mode: str) -> None:
-    r = fs.remount(mode)
-    assert r.returncode == 0, f"mount -o remount,{mode}: {r.stderr.strip()}"
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_only_remount_mid_run(loop_ext4, offloaders, backend, caplog):
     fs = loop_ext4
@@ -34,13 +29,13 @@ def test_read_only_remount_mid_run(loop_ext4, offloaders, backend, caplog):
     want = grads(model, x)
     baseline = fs.baseline()
     off = offloaders(fs.root, backend=backend)
-    remount(fs, "ro")
+    fs.must_remount("ro")
     st = train_step(off, model, x)
     assert_exact(model, want)
     assert st["tensors_offloaded"] == 0 and set(st["kept_reasons"]) == {"read_only"}, st
     text = warnings_text(caplog)
     assert "(read_only)" in text and "EROFS" in text and "remount it read-write" in text, text
-    remount(fs, "rw")
+    fs.must_remount("rw")
     st = train_step(off, model, x)
     assert_exact(model, want)
     assert st["tensors_offloaded"] > 0 and st["kept_reasons"] == {}, st
@@ -59,13 +54,13 @@ def test_still_read_only_at_close(loop_ext4, offloaders, backend):
     want = grads(model, x)
     baseline = fs.baseline()
     off = offloaders(fs.root, backend=backend)
-    remount(fs, "ro")
+    fs.must_remount("ro")
     st = train_step(off, model, x)
     assert_exact(model, want)
     assert set(st["kept_reasons"]) == {"read_only"}, st["kept_reasons"]
     spill = os.path.basename(off.backend.spill_path)
     off.close()
-    remount(fs, "rw")
+    fs.must_remount("rw")
     assert fs.files_under_root() == [spill]
     sweep(fs.root)
     fs.assert_no_bytes_left(baseline)

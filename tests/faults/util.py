@@ -166,6 +166,11 @@ class LoopExt4:
         os.close(self._own_fd())
         return run_cmd("mount", "-o", f"remount,{mode}", self.mnt)
 
+    def must_remount(self, mode: str) -> None:
+        """:meth:`remount`, which must succeed."""
+        r = self.remount(mode)
+        assert r.returncode == 0, f"mount -o remount,{mode}: {r.stderr.strip()}"
+
     def cycle(self) -> None:
         """Unmount and mount again: after a shutdown, the journal replays and the orphan list
         (nameless files still open at the shutdown) is cleaned, so the counts mean something."""
