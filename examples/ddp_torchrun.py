@@ -11,6 +11,7 @@ torchrun's $RANK. Uses gloo, so it runs on CPU-only machines; with GPUs use nccl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -60,6 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
             bytes_reloaded=st["bytes_reloaded"],
         )
     print(json.dumps(summary), flush=True)
+    # Free DDP before the process group. Otherwise DDP's reducer holds the group's last
+    # reference, and freeing it later (when this frame is cleared) runs the gloo group's
+    # destructor with the GIL held while a gloo worker may need the GIL to free its last
+    # finished work: an occasional hang at exit in torch itself, with or without tba.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return summary
 
