@@ -95,10 +95,11 @@ class Handle:
     a witness of the tensor's version counter (NOTE [Version witness])."""
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "version", "ref", "key", "packs")
-    __slots__ += ("witness", "__weakref__")
+    __slots__ += ("witness", "stat", "__weakref__")
 
-    def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any):
+    def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any, stat: Any):
         self.entry = entry
+        self.stat = stat  # the GroupStat its unpacks time (NOTE [Backward timing] in tba/step.py)
         self.dtype = t.dtype
         self.size = key[2]  # the key's torch.Size, shared
         self.stride = stride  # a tuple from layout()
@@ -157,7 +158,7 @@ class KeptHandle:
         self.version = t._version
         self.entry = entry
         self.key = key
-        self.stat = stat  # the GroupStat of the group that packed it (backward timing)
+        self.stat = stat  # the GroupStat its unpacks time (NOTE [Backward timing] in tba/step.py)
         entry.handles += 1
 
     def __del__(self) -> None:

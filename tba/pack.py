@@ -78,6 +78,7 @@ class Packer:
             h = index.find(key)
             if h is not None:  # the same view saved again: no new bytes, one more use
                 st.dedup_hits += 1
+                h.stat = self.groups.stat  # the last saver's backward unpacks it first
                 if isinstance(h, Handle):
                     h.packs += 1
                     h.entry.saved(self._next_seq())
@@ -157,7 +158,7 @@ class Packer:
             e = self._capture(t, storage, ekey, whole, nbytes, stride, st, sref)
             if isinstance(e, str):
                 return e
-        h = Handle(e, t, stride, offset, key)
+        h = Handle(e, t, stride, offset, key, self.groups.stat)
         e.saw(h.ref)
         e.saved(self._next_seq())
         self.index.add_handle(h)

@@ -205,8 +205,15 @@ class StepState:
     def group_records(self) -> list[dict[str, Any]]:
         """One dict per group, in forward order, with compute and I/O times in seconds.
 
+        NOTE [Backward timing]
         Backward compute of a group is the time from its first unpack to the first unpack of the
         group backward reaches next (the last group: to its own last unpack), less its stalls.
+        An unpack times the group that saved the tensor *last*: a tensor every block saves
+        (a rotary table, a mask) is packed once and its handle handed to each later block
+        again, and backward unpacks it first in the last of them. Timed by the first saver
+        instead, that group's backward seemed to start with the whole backward (on a 6-layer
+        HF Llama: the first block 2.4 s, the second 0 s), and adaptive keep, seeing a block
+        whose bytes were needed at once, predicted stalls for every K but the largest.
         """
         out = []
         reached_next = None  # the closest lower group with unpacks: backward reaches it next

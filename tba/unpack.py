@@ -53,7 +53,7 @@ class Reader:
             return h.unpack()
         h.check_version()  # NOTE [Version witness]
         e = h.entry
-        e.stat.unpacked(now)
+        h.stat.unpacked(now)
         lock = self.io.lock
         if not e.step.backward_started:  # NOTE [Plan order]
             with lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -434,3 +435,64 @@ def test_pieces_are_no_larger_than_the_largest_read():
     whole = KeepController("auto", prefetch_bytes=19_500_000)
     whole.observe(1, recs, 400 * MB, 440 * MB, lambda k: 6 - k, 6)  # nothing said: PIECE
     assert whole.decision["candidates"][0] > cut.decision["candidates"][0]
+
+
+class _Pause(torch.autograd.Function):
+    """Identity whose backward takes ``seconds``: a block's own backward time, known."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class _SharingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x, table):
+        x = _Pause.apply(self.a(x), 0.05)  # between this block's first and last unpack
+        return self.b(x) * table  # saves `table`, the same tensor in every block
+
+
+class _SharingModel(torch.nn.Module):
+    """Every block saves one tensor computed before the blocks, as a rotary table is."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("pos", torch.arange(64.0))
+        self.layers = torch.nn.ModuleList(_SharingBlock() for _ in range(n))
+
+    def forward(self, x):
+        table = torch.cos(self.pos)
+        for layer in self.layers:
+            x = layer(x, table)
+        return x.sum()
+
+
+@pytest.mark.parametrize("min_offload", [1, 1 << 30], ids=["offloaded", "kept"])
+def test_a_tensor_every_block_saves_times_each_block_by_its_own_backward(
+    make_offloader, min_offload
+):
+    # NOTE [Backward timing]: timed by the block that saved it first, the shared table made
+    # the first block's backward look like the whole backward and the second's like none.
+    off = make_offloader(min_offload_bytes=min_offload, keep_last=0)
+    model = _SharingModel(4)
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        with off.step(model):
+            loss = model(x)
+        loss.backward()
+    off.synchronize()
+    st = off.stats()
+    assert st["dedup_hits"] >= 3  # the table, saved again by blocks 2 to 4
+    recs = off._last.group_records()
+    bwd = [r["bwd_seconds"] for r in recs if r["tensors"] > 0][:4]  # the 4 blocks, in order
+    assert len(bwd) == 4 and all(0.04 <= b < 5 for b in bwd), bwd
