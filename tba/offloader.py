@@ -300,6 +300,7 @@ class Offloader:
         """Backward recomputes a block of ``st``: what is resident now plus what the block
         saves is the step's peak with recompute (NOTE [Block policy])."""
         with self.io.lock:
+            self.index.bury()  # the saves of blocks backward is done with are freed by now
             now = self.index.resident + stat.hidden_bytes
             st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
 

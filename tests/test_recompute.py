@@ -139,3 +139,21 @@ def test_policy_without_a_model_warns_once_and_offloads(make_offloader, caplog):
     assert len(warned) == 1 and "off.step(model)" in warned[0]
     st = off.stats()
     assert st["group_policy"] == [] and st["tensors_offloaded"] > 0
+
+
+def test_peak_with_recompute_counts_no_block_backward_is_done_with(make_offloader):
+    """While backward recomputes a block, the kept block after it has had its backward: its
+    saves are gone and must not count (they did, until the deferred releases were accounted
+    first, which put W1's keep-last/recompute-rest step at 0.39 of saved_bytes for 0.24)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(block_policy="recompute,recompute,keep")
+    run_step(off, model).backward()
+    st = off.stats()
+    assert st["group_policy"] == ["recompute", "recompute", "keep"]
+    hidden = [r["hidden_bytes"] for r in off._last.group_records() if r["hidden_bytes"]]
+    assert len(hidden) == 2
+    # The kept block and everything after it are resident at the end of forward (the step's
+    # resident peak); a recompute adds one block's saves to what is left once they are freed.
+    assert st["peak_resident_bytes"] <= st["peak_with_recompute_bytes"]
+    assert st["peak_with_recompute_bytes"] < st["peak_resident_bytes"] + min(hidden)
