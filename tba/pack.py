@@ -84,10 +84,12 @@ class Packer:
                     h.entry.saved(self._next_seq())
                 return h
             snbytes = storage.nbytes()
+            seen = st.saved_bytes
             sref = st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes, key[3])
             reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
             gs = self.groups.stat
+            gs.saved_bytes += st.saved_bytes - seen
             gs.tensors += 1
             gs.packed_bytes += nbytes
             if reason is None:

@@ -67,6 +67,7 @@ class GroupStat:
         "hidden_bytes",
         "tensors",
         "packed_bytes",
+        "saved_bytes",
         "offloaded_bytes",
         "kept_bytes",
         "keepable_bytes",
@@ -91,7 +92,8 @@ class GroupStat:
         self.input_bytes = 0  # a block's tensor inputs (what recompute keeps)
         self.hidden_bytes = 0  # saved inside tba's checkpoint of the block (not packed by tba)
         self.tensors = 0
-        self.packed_bytes = 0
+        self.packed_bytes = 0  # per pack: views of one storage count once each
+        self.saved_bytes = 0  # storages first seen in this group, once each (what keeping costs)
         self.offloaded_bytes = 0
         self.kept_bytes = 0
         self.keepable_bytes = 0  # bytes kept only because the group is kept: offloadable
@@ -234,6 +236,7 @@ class StepState:
                     "hidden_bytes": gs.hidden_bytes,
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
+                    "saved_bytes": gs.saved_bytes,
                     "offloaded_bytes": gs.offloaded_bytes,
                     "kept_bytes": gs.kept_bytes,
                     "keepable_bytes": gs.keepable_bytes,

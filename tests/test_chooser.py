@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tba.adaptive import PolicyController
 from tba.chooser import Cost, choose, group_actions, predict
@@ -161,3 +162,26 @@ def test_controller_without_blocks_stays_offload():
     windows = [x for x in records([]) if not x["action"]] * 3
     ctl.observe(1, windows, 20e6, 20e6, lambda s: s // 3, 64 * MiB)
     assert ctl.assignment() is None and "actions" not in ctl.decision
+
+
+def test_a_group_costs_its_storages_once_whether_kept_or_offloaded(make_offloader):
+    """The chooser's bytes per group do not depend on how the group ran: kept views of one
+    storage (q, k, v of one projection) count once, as when the storage is offloaded whole."""
+    from tba.adaptive import _group_bytes
+    from tba.testing import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(vocab=64, seq=32, hidden=32, heads=4, layers=3)
+    got = {}
+    for policy in ("keep", "offload"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        off = make_offloader(policy=policy, keep_last=0)
+        with off.step(model):
+            loss = model(*random_batch(cfg, 4))
+        loss.backward()
+        off.synchronize()
+        recs = off._last.group_records()
+        got[policy] = [_group_bytes(x) for x in recs]
+        assert sum(got[policy]) == off.stats()["saved_bytes"]
+    assert got["keep"] == got["offload"]
+    assert any(x["packed_bytes"] > x["saved_bytes"] for x in recs)  # views of one storage
