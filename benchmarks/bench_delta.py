@@ -20,6 +20,7 @@ fastest assignment that met the budget.
 
     python benchmarks/bench_delta.py                      # full: very slow on a small machine
     python benchmarks/bench_delta.py --caps 0,50MB/s --sample 3 --repeats 1 --warmup 0 --batch 1
+    python benchmarks/bench_delta.py --validate rrrrrk,rorork,kkrrrr --validate-cap 50MB/s
 
 All assignments share one Offloader whose forced assignment is changed between steps (its
 PolicyController's ``forced``); the named tba modes have their own.
@@ -142,6 +143,64 @@ def run_cap(args, cap, model, batch, spill, rng):
     }
 
 
+def validate(args, model, batch, spill) -> dict:
+    """Predicted vs measured step time and peak of forced assignments (the planner check).
+
+    Each round runs one offload step (every block offloaded) to calibrate, as ``auto`` does at
+    run time: per group forward and backward seconds and bytes, and the write and read rate of
+    that step; then predicts each assignment with the chooser's ``predict`` and runs it. Errors
+    are per round, predicted / measured - 1; reported as medians with their range.
+    """
+    cap = tba.Config(environ={}, max_write_bps=args.validate_cap).max_write_bps
+    caps = {"max_write_bps": cap, "max_read_bps": cap} if cap else {}
+    off = tba.Offloader(tba.Config(spill_dir=spill, policy="offload", keep_last=0, **caps))
+    names = args.validate.split(",")
+    errs = {a: {"step": [], "peak": []} for a in names}
+    try:
+        for rnd in range(args.warmup + args.repeats):
+            off.policy.forced = {}
+            one_step(model, batch, off)
+            last = off._last  # the calibration step (bench-only use of internals)
+            w, r = last.bandwidth(True) or 1e12, last.bandwidth(False) or 1e12
+            groups, _ = PolicyController("auto", None)._costs(last.group_records())
+            for a in names:
+                p = predict(groups, [LETTER[x] for x in a], w, r, off.depth.depth)
+                off.policy.forced = {i: LETTER[x] for i, x in enumerate(a)}
+                dt, st = one_step(model, batch, off)
+                if rnd >= args.warmup:
+                    errs[a]["step"].append((p.step_seconds, dt))
+                    errs[a]["peak"].append((p.peak_bytes, st["peak_with_recompute_bytes"]))
+            print(f"  validate: round {rnd} done", flush=True)
+    finally:
+        off.close()
+    out = {}
+    for a in names:
+        row = {}
+        for what, pairs in errs[a].items():
+            e = [pred / meas - 1 for pred, meas in pairs]
+            row[what] = {
+                "predicted": statistics.median(x for x, _ in pairs),
+                "measured": statistics.median(y for _, y in pairs),
+                "error": statistics.median(e),
+                "range": (min(e), max(e)),
+            }
+        out[a] = row
+    return {"cap_bps": cap, "assignments": out}
+
+
+def print_validation(res: dict) -> None:
+    cap = f"{res['cap_bps'] / 1e6:.0f} MB/s" if res["cap_bps"] else "uncapped"
+    print(f"\npredicted vs measured, {cap} (median of rounds; error = pred / meas - 1)")
+    head = ("assignment", "step pred/meas s", "error", "peak pred/meas MiB", "error")
+    print("  {:<11}{:>20}{:>8}{:>22}{:>8}".format(*head))
+    for a, row in res["assignments"].items():
+        s, p = row["step"], row["peak"]
+        print(
+            f"  {a:<11}{s['predicted']:>9.3f} / {s['measured']:<8.3f}{s['error']:>+8.1%}"
+            f"{p['predicted'] / 2**20:>10.1f} / {p['measured'] / 2**20:<9.1f}{p['error']:>+8.1%}"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--caps", default="0,200MB/s,50MB/s,20MB/s", help="0: uncapped")
@@ -154,6 +213,12 @@ def main(argv=None) -> int:
     ap.add_argument("--spill-dir", default="/var/tmp")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--validate",
+        help="instead: predicted vs measured for these assignments (k/o/r per block, "
+        "comma-separated, e.g. rrrrrk,rorork,kkrrrr)",
+    )
+    ap.add_argument("--validate-cap", default="0", help="disk cap for --validate (0: none)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     torch.manual_seed(0)
@@ -161,6 +226,16 @@ def main(argv=None) -> int:
     batch = random_batch(W1, args.batch)
     spill = tempfile.mkdtemp(prefix="tba-delta-", dir=args.spill_dir)
     results = []
+    if args.validate:
+        try:
+            res = validate(args, model, batch, spill)
+        finally:
+            os.rmdir(spill)
+        print(machine_line(args.spill_dir))
+        print(f"W1 micro-batch {args.batch}, {args.repeats} rounds after {args.warmup} warm-up")
+        print_validation(res)
+        dump_json(args.json, args.spill_dir, validate=res)
+        return 0
     try:
         for text in args.caps.split(","):
             cap = tba.Config(environ={}, max_write_bps=text).max_write_bps
