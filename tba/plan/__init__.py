@@ -11,6 +11,7 @@ Modules, in the order a plan is made:
 - ``simulation``: steps back to back on the simulator the runtime's adaptive keep uses too
   (NOTE [Simulator] in tba/simulator/engine.py), and the closed-form peak;
 - ``recommend``: the recommended K, the bandwidth needed, recompute, the plan as a dict;
+- ``mix``: keep, offload or recompute per block by the runtime's chooser (NOTE [Planner mix]);
 - ``render``: the tables; ``projections``: the 7B-on-H100 tables; ``command``: `tba plan`.
 """
 
@@ -19,11 +20,14 @@ from __future__ import annotations
 from ..simulator import Saved, SimResult
 from .command import build, run_cli
 from .inputs import ALIGN, DTYPES, GB, Hardware, Knobs, PlanInputError, setup_for
+from .mix import budget_for, costs, make_mix
 from .projections import (
     LLAMA_7B,
     PROJECTION_ASSUMPTIONS,
     PROJECTION_KNOBS,
+    mix_projections,
     projections,
+    render_mix_projections,
     render_projections,
 )
 from .recommend import WITHIN, make_plan, needed_gbps, recommend, recompute_estimate
@@ -60,19 +64,24 @@ __all__ = [
     "SimResult",
     "TraceInfo",
     "Workload",
+    "budget_for",
     "build",
+    "costs",
     "head_tensors",
     "korthikanti_bytes",
     "layer_bytes",
     "layer_flops",
     "layer_tensors",
+    "make_mix",
     "make_plan",
+    "mix_projections",
     "needed_gbps",
     "peak_formula",
     "projections",
     "read_trace",
     "recommend",
     "recompute_estimate",
+    "render_mix_projections",
     "render_projections",
     "render_text",
     "run_cli",

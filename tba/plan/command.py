@@ -8,8 +8,16 @@ import math
 import sys
 from typing import Any
 
+from ..chooser import EXHAUSTIVE_BLOCKS
 from .inputs import GB, Hardware, Knobs, PlanInputError
-from .projections import PROJECTION_ASSUMPTIONS, projections, render_projections
+from .mix import make_mix
+from .projections import (
+    PROJECTION_ASSUMPTIONS,
+    mix_projections,
+    projections,
+    render_mix_projections,
+    render_projections,
+)
 from .recommend import make_plan
 from .render import render_text
 from .shape import ModelShape
@@ -128,6 +136,10 @@ def run_cli(args: Any) -> int:
     """`tba plan`: 0 done, 2 bad input (the message names the flag)."""
 
     try:
+        if getattr(args, "projections_mix", False):
+            rows = mix_projections()
+            print(json.dumps(rows, indent=2) if args.json else render_mix_projections(rows))
+            return 0
         if args.projections:
             rows = projections()
             if args.json:
@@ -139,6 +151,7 @@ def run_cli(args: Any) -> int:
         if args.steps is not None and args.steps < 1:
             raise PlanInputError("--steps", "must be 1 or more")
         p = make_plan(w, hw, knobs, steps=args.steps or 0)
+        p["mix"] = _mix(w, hw, knobs, getattr(args, "budget", None))
     except PlanInputError as e:
         print(f"tba plan: {e}", file=sys.stderr)
         return 2
@@ -150,6 +163,17 @@ def run_cli(args: Any) -> int:
     else:
         print(render_text(p, describe))
     return 0
+
+
+def _mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None) -> dict[str, Any]:
+    """The chooser's mix; a search over many blocks can take minutes, so say so first."""
+    if w.blocks > EXHAUSTIVE_BLOCKS:
+        print(
+            f"tba plan: choosing keep/offload/recompute for {w.blocks} blocks by a local search "
+            "(tba.chooser); with tens of large blocks this takes minutes",
+            file=sys.stderr,
+        )
+    return make_mix(w, hw, knobs, budget)
 
 
 def _json_default(x: Any) -> Any:

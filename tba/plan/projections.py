@@ -8,8 +8,9 @@ from typing import Any
 
 from ..config import format_size
 from .inputs import GB, Hardware, Knobs
+from .mix import make_mix
 from .recommend import make_plan
-from .render import table_lines
+from .render import runs_text, saved_text, table_lines
 from .shape import ModelShape
 from .simulation import simulate
 from .workload import workload_from_shape
@@ -18,6 +19,7 @@ H100_FLOPS = 400e12  # achieved model FLOP/s: ~40% MFU of the H100 SXM's 989 TFL
 GEN4_READ = 6.5e9  # per drive, datacenter PCIe Gen4 (e.g. Samsung PM9A3 U.2: 6.5 GB/s read)
 GEN4_WRITE = 3.5e9  # per drive, sustained sequential write of the same class (PM9A3: 3.5 GB/s)
 H100_H2D = 50e9  # host-to-device copy rate, PCIe Gen5 x16 with pinned memory
+MIX_DRIVE = 6e9  # per drive, write and read: the NVMe of issue 16's mix projection
 LLAMA_7B = dict(
     layers=32, hidden=4096, heads=32, seq=4096, dtype_bytes=2, attention="flash", arch="llama",
     vocab=32000,
@@ -131,3 +133,62 @@ def render_projections(rows: list[dict[str, Any]]) -> str:
         "(scales with it).",
     ]
     return "\n".join(lines)
+
+
+def mix_projections(drives: Sequence[int] = (1, 2, 4), rate: float = MIX_DRIVE) -> list[dict]:
+    """The chooser's mix (NOTE [Planner mix] in tba/plan/mix.py) for the 7B Llama on an H100 at
+    micro-batch 1 with tba's defaults, per drive count at ``rate`` bytes/s each way. Its local
+    search over 32 blocks takes minutes per row, so `--projections` leaves it out."""
+    shape = ModelShape(batch=1, **LLAMA_7B)
+    rows = []
+    for n in drives:
+        hw = Hardware(rate, rate, drives=n, flops=H100_FLOPS)
+        rows.append(
+            {
+                "drives": n,
+                "drive_gbps": rate / GB,
+                **make_mix(workload_from_shape(shape, hw), hw, Knobs()),
+            }
+        )
+    return rows
+
+
+def render_mix_projections(rows: list[dict[str, Any]]) -> str:
+    """The mix projections as a table, with what they assume; projections, not measurements."""
+    head = ["drives", "GB/s each", "mix", "step/keep-all", "peak/keep-all", "saved vs keep-all",
+            "vs checkpoint-all", "budget"]  # fmt: skip
+    out = [head]
+    for r in rows:
+        out.append(
+            [
+                str(r["drives"]),
+                f"{r['drive_gbps']:g}",
+                runs_text(r["runs"]),
+                f"{r['step_vs_keep_all']:.3f}",
+                f"{r['peak_vs_keep_all']:.3f}",
+                saved_text(r, "keep_all"),
+                saved_text(r, "checkpoint_all"),
+                "met" if r["fits"] else "NOT met",
+            ]
+        )
+    r0 = rows[0]
+    ckpt = "; ".join(
+        f"{r['drives']} drive(s) {r['checkpoint_all']['step_seconds'] * 1e3:.1f} ms, "
+        f"{format_size(r['checkpoint_all']['peak_bytes'])}"
+        for r in rows
+    )
+    return "\n".join(
+        [
+            "Projections, not measurements: the chooser of TBA_POLICY=auto (tba.chooser, a local "
+            "search over the 32 blocks) on the 7B Llama shape at micro-batch 1 and "
+            f"{H100_FLOPS / 1e12:.0f} TFLOP/s (assumptions as in --projections), drives striped, "
+            f"write and read at the rate given each; budget {r0['budget_source']}; peaks are "
+            "resident saved bytes.",
+            "",
+            *table_lines(out),
+            "",
+            f"keep-all: {r0['keep_all']['step_seconds'] * 1e3:.0f} ms, "
+            f"{format_size(r0['keep_all']['peak_bytes'])}; checkpoint-all (every block "
+            f"recomputed, the head then offloaded, so the drives count): {ckpt}.",
+        ]
+    )

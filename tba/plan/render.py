@@ -126,7 +126,77 @@ def render_text(p: dict[str, Any], describe: str = "") -> str:
     lines.extend(table_lines(rows))
     if p.get("host_fits") is False:
         lines.append("warning: staging + prefetch exceed --host-mem")
+    if "mix" in p:
+        lines += [""] + mix_lines(p["mix"])
     return "\n".join(lines)
+
+
+def mix_lines(m: dict[str, Any]) -> list[str]:
+    """The chooser's mix (NOTE [Planner mix] in tba/plan/mix.py) against keep-all and
+    checkpoint-all."""
+    if not m["available"]:
+        return [f"mix: not available: {m['reason']}"]
+    search = "exhaustive" if m["search"] == "exhaustive" else "a local search, not exhaustive"
+    lines = [
+        "mix:      keep, offload or recompute per block, as TBA_POLICY=auto chooses (tba.chooser)",
+        f"search:   {search}: {m['searched']:,} assignments simulated",
+        f"model:    the runtime's: unbounded staging, a {format_size(m['prefetch_bytes'])} "
+        "read-ahead window, no copy costs",
+        f"budget:   {_budget_text(m)}",
+        f"blocks:   {runs_text(m['runs'])}  ({_letters(m['actions'])}, block 0 first)",
+    ]
+    rows = [["strategy", "step ms", "vs keep-all", "peak resident", "vs keep-all"]]
+    base, top = m["keep_all"], m["keep_all"]["peak_bytes"]
+    for name, x in (("keep all", base), ("checkpoint all", m["checkpoint_all"]), ("mix", m)):
+        rows.append(
+            [
+                name,
+                _ms(x["step_seconds"]),
+                _share(x["step_seconds"], base["step_seconds"]),
+                format_size(x["peak_bytes"]),
+                _share(x["peak_bytes"], top),
+            ]
+        )
+    lines.extend(table_lines(rows))
+    lines.append(
+        f"memory saved by the mix: {saved_text(m, 'keep_all')} vs keep-all, "
+        f"{saved_text(m, 'checkpoint_all')} vs checkpoint-all"
+    )
+    return lines
+
+
+def runs_text(runs: list[list[Any]]) -> str:
+    """A block assignment run-length encoded: ``keep x8, recompute x23, keep x1``."""
+    return ", ".join(f"{a} x{n}" for a, n in runs)
+
+
+def saved_text(m: dict[str, Any], ref: str) -> str:
+    """Bytes the mix saves against ``ref``'s peak (keep_all, checkpoint_all), with the share of
+    that peak; a negative saving is said as more held."""
+    n, base = m[f"saved_vs_{ref}_bytes"], m[ref]["peak_bytes"]
+    if n < 0:
+        return f"none (holds {format_size(-n)} more)"
+    return format_size(n) + (f" ({n / base:.0%})" if base else "")
+
+
+def _budget_text(m: dict[str, Any]) -> str:
+    if m["budget_bytes"] is None:
+        return f"none ({m['budget_source']}): nothing bounds memory, so keeping wins"
+    text = f"{format_size(m['budget_bytes'])} of resident saved bytes ({m['budget_source']}): "
+    if m["fits"]:
+        return text + "met"
+    found = "" if m["search"] == "exhaustive" else " that the search found"
+    return text + f"NOT met: no assignment{found} fits; shown is the lowest peak"
+
+
+def _letters(actions: list[str]) -> str:
+    """k/o/r per block, in groups of 8 so that a block's index can be counted."""
+    s = "".join(a[0] for a in actions)
+    return " ".join(s[i : i + 8] for i in range(0, len(s), 8))
+
+
+def _share(x: float, base: float) -> str:
+    return f"{x / base:.3f}" if base else "-"
 
 
 def table_lines(rows: list[list[str]]) -> list[str]:

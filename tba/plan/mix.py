@@ -1,0 +1,106 @@
+"""The keep/offload/recompute mix of `tba plan`: the runtime's chooser of ``TBA_POLICY=auto``
+(NOTE [Chooser] in tba/chooser.py) run on the planner's workload, next to keep-all and
+checkpoint-all as the same :func:`tba.chooser.predict` replays them.
+
+# NOTE [Planner mix]
+The planner hands the chooser what the runtime measures, per group in forward order: forward
+and backward seconds, saved bytes, a block's input bytes (what recompute keeps) and whether it
+is a block; the embedding and the head are groups that are not blocks, as in the workload. The
+disk rates are the drives' aggregate, the read-ahead window is ``--prefetch`` (the cap the
+runtime's window grows to). The chooser's model is the runtime's plain case of the simulator
+(unbounded staging, full duplex, no capture or host-to-device copy costs), so the mix's step
+can differ from the keep-K table, which sets every field. Checkpoint-all is every block
+recomputed, the other groups as the chooser treats them (the head offloaded, as it follows a
+block that is not kept), so it too depends on the drives. Every peak is the peak of resident
+saved bytes (kept, staging, read-back, a recomputed block's saves), the quantity
+TBA_MEMORY_BUDGET bounds. The budget: ``--budget`` read as TBA_MEMORY_BUDGET is, else
+``--device-mem``, else the runtime's default share of the step's saved bytes. A trace does not
+record a block's input bytes, so it has no mix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from .._config_values import _budget
+from ..adaptive import DEFAULT_BUDGET_SHARE
+from ..budget import allowed_bytes, describe
+from ..chooser import Cost, Prediction, choose, predict
+from ..errors import ValueParseError
+from .inputs import Hardware, Knobs, PlanInputError
+from .workload import Workload
+
+
+def costs(w: Workload) -> list[Cost] | None:
+    """The chooser's groups for ``w``; None when a block's input bytes are unknown (a trace)."""
+    if any(g.block and g.input_bytes is None for g in w.groups):
+        return None
+    return [Cost(g.fwd, g.bwd, g.nbytes, g.input_bytes or 0, g.block) for g in w.groups]
+
+
+def budget_for(
+    text: str | None, saved_bytes: int, device_bytes: int | None
+) -> tuple[int | None, str]:
+    """The budget in bytes (None: unbounded) and where it comes from (NOTE [Planner mix])."""
+    if text is not None:
+        try:
+            budget = _budget(text)  # TBA_MEMORY_BUDGET's own parser: one meaning for both
+        except ValueParseError as e:
+            raise PlanInputError(
+                "--budget", f"{text!r} is invalid; expected {e.expected} (as TBA_MEMORY_BUDGET)"
+            ) from None
+        return allowed_bytes(budget, saved_bytes), f"--budget {describe(budget)}"
+    if device_bytes is not None:
+        return device_bytes, "--device-mem"
+    share = DEFAULT_BUDGET_SHARE
+    return allowed_bytes(share, saved_bytes), f"{share:g} of saved bytes, the runtime's default"
+
+
+def make_mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None = None) -> dict[str, Any]:
+    """The chooser's assignment for ``w`` on ``hw`` and what it predicts, as a JSON-ready dict
+    (``available`` False with a ``reason`` when there is none)."""
+    groups = costs(w)
+    if groups is None:
+        return {"available": False, "reason": "a trace does not record block inputs"}
+    if not w.blocks:
+        return {"available": False, "reason": "no blocks to assign"}
+    limit, source = budget_for(budget, w.total_bytes, hw.device_bytes)
+    rates = (hw.write_rate, hw.read_rate, knobs.prefetch_bytes)
+    got = choose(groups, hw.write_rate, hw.read_rate, limit, knobs.prefetch_bytes)
+    keep_all = predict(groups, ("keep",) * w.blocks, *rates)
+    checkpoint_all = predict(groups, ("recompute",) * w.blocks, *rates)
+    best = got.best
+    return {
+        "available": True,
+        "search": "exhaustive" if got.exhaustive else "local",
+        "searched": got.searched,
+        "budget_bytes": limit,
+        "budget_source": source,
+        "fits": got.fits,
+        "actions": list(best.actions),
+        "runs": [[a, len(list(g))] for a, g in itertools.groupby(best.actions)],
+        **_outcome(best),
+        "keep_all": _outcome(keep_all),
+        "checkpoint_all": _outcome(checkpoint_all),
+        "step_vs_keep_all": _ratio(best.step_seconds, keep_all.step_seconds),
+        "peak_vs_keep_all": _ratio(best.peak_bytes, keep_all.peak_bytes),
+        "saved_vs_keep_all_bytes": keep_all.peak_bytes - best.peak_bytes,
+        "saved_vs_checkpoint_all_bytes": checkpoint_all.peak_bytes - best.peak_bytes,
+        "write_bps": _finite(hw.write_rate),
+        "read_bps": _finite(hw.read_rate),
+        "prefetch_bytes": knobs.prefetch_bytes,
+    }
+
+
+def _outcome(p: Prediction) -> dict[str, Any]:
+    return {"step_seconds": p.step_seconds, "peak_bytes": p.peak_bytes}
+
+
+def _ratio(x: float, base: float) -> float | None:
+    return x / base if base else None
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x

@@ -1,0 +1,151 @@
+"""`tba plan`'s mix: the runtime's chooser on the planner's workload (NOTE [Planner mix])."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tba import cli
+from tba import plan as P
+from tba.chooser import Cost, predict
+
+from .test_plan import SHAPE, fake_trace, toy
+
+MiB = 1 << 20
+
+
+def run(capsys, *extra, budget=None, text=False):
+    """`tba plan` on SHAPE; ``budget`` as the parser hands `--budget` over (its text, or None).
+    Returns (exit code, the mix from --json or the text, stderr)."""
+    args = cli.build_parser().parse_args([*SHAPE, *extra, *([] if text else ["--json"])])
+    args.budget = budget
+    rc = P.run_cli(args)
+    out, err = capsys.readouterr()
+    if rc == 0 and not text:
+        out = json.loads(out)["mix"]
+    return rc, out, err
+
+
+def by_hand(w, hw, actions, prefetch=128 * MiB):
+    """The chooser's prediction for ``actions``, its groups written out here, not by tba.plan."""
+    groups = [Cost(g.fwd, g.bwd, g.nbytes, g.input_bytes, g.block) for g in w.groups]
+    return predict(groups, actions, hw.write_rate, hw.read_rate, prefetch)
+
+
+def test_json_mix_is_what_the_chooser_predicts(capsys):
+    rc, m, _ = run(capsys)
+    assert rc == 0 and m["available"] and m["search"] == "exhaustive"
+    assert m["searched"] == 3**4  # 4 blocks: every assignment
+    hw = P.Hardware(0.5e9, 1e9, flops=1e12)
+    w = P.workload_from_shape(P.ModelShape(4, 256, 4, 256, batch=2), hw)
+    got = by_hand(w, hw, m["actions"])
+    assert (m["step_seconds"], m["peak_bytes"]) == (got.step_seconds, got.peak_bytes)
+    ckpt = by_hand(w, hw, ["recompute"] * 4)
+    assert m["checkpoint_all"] == {"step_seconds": ckpt.step_seconds, "peak_bytes": ckpt.peak_bytes}
+    keep = m["keep_all"]
+    assert keep["step_seconds"] == pytest.approx(w.compute_seconds)
+    assert keep["peak_bytes"] == w.total_bytes
+    assert m["peak_vs_keep_all"] == m["peak_bytes"] / w.total_bytes
+    assert m["saved_vs_keep_all_bytes"] == w.total_bytes - m["peak_bytes"]
+    assert m["saved_vs_checkpoint_all_bytes"] == ckpt.peak_bytes - m["peak_bytes"]
+    assert sum(n for _, n in m["runs"]) == 4
+
+
+def test_slow_disk_recomputes_and_beats_all_offload():
+    """Reads at 2 MB/s: a block's 16 MiB take 8 s to come back, its forward 1 s. (A disk slow
+    both ways costs the chooser memory, not time: writes that never end are served from its
+    unbounded staging, NOTE [Chooser].)"""
+    w = toy(blocks=5, head=2 * MiB)
+    slow = P.Hardware(1e9, 2e6, device="cpu")
+    m = P.make_mix(w, slow, P.Knobs(), "0.6")  # room for the inputs and one block's saves
+    assert "recompute" in m["actions"] and m["fits"]
+    offload = by_hand(w, slow, ["offload"] * 5)
+    assert m["step_seconds"] < offload.step_seconds
+    assert m["step_vs_keep_all"] < offload.step_seconds / w.compute_seconds
+
+
+def test_infinite_disk_and_room_never_recompute():
+    w = toy(blocks=5, head=2 * MiB)
+    for budget in ("1.0", "none"):
+        m = P.make_mix(w, P.Hardware(None, None, device="cpu"), P.Knobs(), budget)
+        assert "recompute" not in m["actions"]
+        assert m["step_seconds"] == pytest.approx(w.compute_seconds)
+        assert m["step_vs_keep_all"] == pytest.approx(1.0)
+
+
+def test_unreachable_budget_says_no_assignment_fits(capsys):
+    rc, m, _ = run(capsys, budget="1MiB")  # checkpoint-all alone holds more
+    assert rc == 0 and m["budget_bytes"] == MiB and not m["fits"]
+    assert m["peak_bytes"] > MiB
+    rc, text, _ = run(capsys, budget="1MiB", text=True)
+    assert "1.0 MiB of resident saved bytes (--budget 1.0 MiB): NOT met: no assignment fits" in text
+
+
+def test_budget_sources(capsys):
+    w = P.workload_from_shape(P.ModelShape(4, 256, 4, 256, batch=2), P.Hardware(1, 1, flops=1e12))
+    _, m, _ = run(capsys)
+    assert m["budget_bytes"] == int(0.35 * w.total_bytes)  # the runtime's default share
+    assert "0.35 of saved bytes" in m["budget_source"]
+    _, m, _ = run(capsys, "--device-mem", "3MiB")
+    assert (m["budget_bytes"], m["budget_source"]) == (3 * MiB, "--device-mem")
+    _, m, _ = run(capsys, "--device-mem", "3MiB", budget="50%")  # --budget wins
+    assert m["budget_bytes"] == int(0.5 * w.total_bytes)
+    _, m, _ = run(capsys, budget="none")
+    assert m["budget_bytes"] is None and m["fits"]
+    assert set(m["actions"]) == {"keep"}  # nothing bounds memory: keeping is fastest
+
+
+@pytest.mark.parametrize("value", ["lots", "1.5", "0", "100", "-2GiB"])
+def test_bad_budget_exit_2_names_the_flag(capsys, value):
+    rc, out, err = run(capsys, budget=value)
+    assert rc == 2 and out == ""
+    assert err.startswith("tba plan: --budget: ") and "TBA_MEMORY_BUDGET" in err
+
+
+def test_text_mix_section(capsys):
+    rc, text, err = run(capsys, "--write-gbps", "1e-3", text=True)
+    assert rc == 0 and err == ""  # 4 blocks: exhaustive, no note about a long search
+    mix = text[text.index("\nmix: ") :]
+    assert "search:   exhaustive: 81 assignments simulated" in mix
+    assert "blocks:   " in mix and "recompute x" in mix
+    for row in ("keep all", "checkpoint all", "mix "):
+        assert f"\n{row}" in mix
+    assert "vs keep-all" in mix and "vs checkpoint-all" in mix
+
+
+def test_many_blocks_local_search_is_said(capsys):
+    rc, m, err = run(capsys, "--layers", "8")
+    assert rc == 0 and m["search"] == "local" and "local search" in err
+    rc, text, _ = run(capsys, "--layers", "8", text=True)
+    assert "a local search, not exhaustive" in text
+
+
+def test_trace_has_no_mix(tmp_path, capsys):
+    path = fake_trace(tmp_path / "t.jsonl")
+    assert cli.main(["plan", "--trace", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mix"] == {
+        "available": False,
+        "reason": "a trace does not record block inputs",
+    }
+    assert cli.main(["plan", "--trace", path]) == 0
+    assert "mix: not available: a trace" in capsys.readouterr().out
+
+
+def test_mix_projections_table(monkeypatch, capsys):
+    """The 7B rows take minutes; the routing and the table are checked on a small shape."""
+    w = P.workload_from_shape(P.ModelShape(4, 256, 4, 256), P.Hardware(1, 1, flops=1e12))
+    rows = [
+        {"drives": n, "drive_gbps": 6.0, **P.make_mix(w, P.Hardware(6e9, 6e9, n), P.Knobs())}
+        for n in (1, 2)
+    ]
+    monkeypatch.setattr("tba.plan.command.mix_projections", lambda: rows)
+    args = cli.build_parser().parse_args(["plan", "--projections"])
+    args.projections_mix = True
+    assert P.run_cli(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Projections, not measurements")
+    for r in rows:
+        assert f"\n{r['drives']}  " in text
+    assert P.render_mix_projections(rows) in text
+    assert "step/keep-all" in text and "vs checkpoint-all" in text
