@@ -7,7 +7,8 @@
 #   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
 #   4. tba doctor --json;
 #   5. the CPU suite on this machine's torch (not the integrations: their frameworks are not
-#      installed here), with the time left of the 20 minutes.
+#      installed here), with the time left of the 20 minutes, in parallel when pytest-xdist
+#      is installed.
 # Writes $OUT_DIR/check.json (every step's status, seconds and result) and
 # $OUT_DIR/summary.txt. Exit status: 0 when every step that ran passed.
 #
@@ -80,8 +81,16 @@ else
     run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
         --json "$OUT_DIR/bench.json"
     run doctor 90 "$PY" -m tba.cli doctor --json
-    run cpu_suite "$(( $(left) > 60 ? $(left) - 30 : 30 ))" "$PY" -m pytest -q -x \
-        -p no:cacheprovider -m "not gpu and not integration" --ignore=tests/integrations \
-        --ignore=tests/faults tests
+    # The whole CPU suite, one line per test (-v: a suite cut short by the time limit still
+    # names what failed so far) and failures again at the end (-rfE); spread over
+    # pytest-xdist's workers, a file per worker, when the image has it (the GPU image does).
+    XDIST=()
+    if "$PY" -c "import xdist" 2>/dev/null; then
+        n=$(( $(nproc) * 3 / 4 )); [ $n -gt 12 ] && n=12
+        [ $n -ge 2 ] && XDIST=(-n "$n" --dist loadfile -p no:benchmark)
+    fi
+    run cpu_suite "$(( $(left) > 60 ? $(left) - 30 : 30 ))" "$PY" -m pytest -v -rfE \
+        -p no:cacheprovider "${XDIST[@]}" -m "not gpu and not integration" \
+        --ignore=tests/integrations --ignore=tests/faults tests
 fi
 "$PY" benchmarks/gpu/summarize.py "$OUT_DIR" "$DRY" "$((SECONDS - START))"

@@ -15,13 +15,36 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+# A test's line under -v: "test_a.py::t PASSED [ 4%]", or with xdist "[gw3] [ 4%] PASSED
+# test_a.py::t"
+_VERBOSE = re.compile(
+    r"^(?:(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b"
+    r"|\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+))",
+    re.M,
+)
+
+
 def pytest_result(text: str) -> dict:
-    """Counts from pytest's closing line, and each skip's reason (from -rs)."""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", text)}
+    """Counts from pytest's closing line, each skip's reason (from -rs) and the failures (from
+    -rfE). A run cut short has no closing line: then the counts and failures come from the
+    one-line-per-test output of -v, and ``complete`` is False."""
+    closing = re.findall(r"^(?:=+ )?(\d+ \w+(?:, \d+ \w+)*) in [\d.]+s", text, re.M)
     skips = re.findall(r"^SKIPPED \[(\d+)\] ([^:]+(?::\d+)?): (.*)$", text, re.M)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    if closing:
+        found = re.findall(r"(\d+) (passed|failed|skipped|error|errors)", closing[-1])
+        counts = {k: int(n) for n, k in found}
+    else:
+        counts, failed = {}, []
+        for m in _VERBOSE.finditer(text):
+            name, state = (m[1], m[2]) if m[1] else (m[4], m[3])
+            key = {"ERROR": "error"}.get(state, state.lower())
+            counts[key] = counts.get(key, 0) + 1
+            if state in ("FAILED", "ERROR"):
+                failed.append(name)
     return {
         "counts": counts,
+        "complete": bool(closing),
         "skips": [{"n": int(n), "where": w, "why": why} for n, w, why in skips],
         "failed": failed,
     }
@@ -65,7 +88,8 @@ def main() -> int:
         if r is None:
             continue
         counts = ", ".join(f"{n} {k}" for k, n in r["counts"].items())
-        lines.append(f"{name}: {counts or 'no result line'}")
+        cut = "" if r["complete"] else " (cut short: counted from its -v lines)"
+        lines.append(f"{name}: {counts or 'no result'}{cut}")
         lines += [f"  FAILED {f}" for f in r["failed"]]
         lines += [f"  skipped {s['n']} at {s['where']}: {s['why']}" for s in r["skips"]]
     if "bench" in report:
