@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from tba import doctor
 from tba.cli import main
@@ -863,6 +864,7 @@ def test_find_tcmalloc(tmp_path):
 
 def test_glibc_on_the_cpu_is_a_warning_that_names_the_fix(capsys, spill, monkeypatch):
     monkeypatch.setattr(doctor, "find_tcmalloc", lambda: "/x/libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host, on a GPU one too
     rc, j = run_json(capsys, spill)
     assert rc == 0  # advice, not a failure
     row = j["checks"]["host_malloc"]
@@ -871,6 +873,20 @@ def test_glibc_on_the_cpu_is_a_warning_that_names_the_fix(capsys, spill, monkeyp
     assert row["status"] == "warn"
     assert "LD_PRELOAD=/x/libtcmalloc_minimal.so.4" in row["detail"]
     assert j["host_malloc"]["suggested"] == "/x/libtcmalloc_minimal.so.4"
+
+
+def test_glibc_on_a_gpu_host_is_fine(capsys, spill, monkeypatch):
+    """Activations live in the CUDA caching allocator there (seen on an H200 in the GPU
+    check, where the test above, then without its CPU-host patch, failed)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    rc, j = run_json(capsys, spill)
+    if j["host_malloc"]["malloc"] != "glibc":  # pragma: no cover - the suite run under tcmalloc
+        pytest.skip("this test process is not using glibc malloc")
+    assert j["checks"]["host_malloc"]["status"] == "ok"
+    assert "CUDA caching allocator" in j["checks"]["host_malloc"]["detail"]
 
 
 @pytest.mark.skipif(doctor.find_tcmalloc() is None, reason="tcmalloc is not installed")

@@ -104,6 +104,48 @@ def test_forward_is_bit_identical(form, dtype):
         assert torch.equal(fn(x), stock(x))
 
 
+def erf_formula(x):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+EXACT = {"erf": erf_formula, "tanh": tanh_formula, "silu": silu_formula}
+
+
+def exact_slope(form: str, x: torch.Tensor) -> torch.Tensor:
+    xe = x.detach().double().requires_grad_()
+    (g1,) = torch.autograd.grad(EXACT[form](xe).sum(), xe)
+    return g1
+
+
+def propagated_error(form: str, x: torch.Tensor) -> torch.Tensor:
+    """What the stock kernel's own rounding of y costs a gradient taken from y: tba inverts y
+    to x on x's side of the minimum, so the best it can return is g'(x*) where g(x*) is the
+    stock y. x* is found here in float64 by bisection, so the bound follows the kernel of the
+    torch build and CPU the suite runs on: the float32 GELU of one host rounds y at x = -4 to
+    3e-6 of g', and another's at x = -5 to 4% of y, where a fixed tolerance failed. Give it
+    the tensor tba got: the kernel's vector and scalar paths round differently."""
+    x64 = x.detach().double()
+    y = FORMS[form][2](x.detach()).double()
+    x_min = FORMS[form][4]
+    left = x64 < x_min
+    lo = torch.where(left, torch.clamp(2 * x64, max=-1.0) - 1, torch.full_like(x64, x_min))
+    hi = torch.where(left, torch.full_like(x64, x_min), torch.clamp(2 * x64, min=1.0) + 1)
+    g = EXACT[form]
+    for _ in range(100):  # g falls on the left branch and rises on the right
+        mid = (lo + hi) / 2
+        below = g(mid) < y
+        go_right = torch.where(left, ~below, below)
+        lo, hi = torch.where(go_right, mid, lo), torch.where(go_right, hi, mid)
+    x_star = torch.where(x64.isfinite(), (lo + hi) / 2, x64)
+    return (exact_slope(form, x_star) - exact_slope(form, x64)).abs().nan_to_num(0.0)
+
+
+def kernel_bound(form: str, x: torch.Tensor) -> torch.Tensor:
+    """Away from the minimum: the tables' 2.2e-7, one float32 rounding of g' (6e-8 at |g'| <=
+    1.1) and, doubled for slack, the stock kernel's rounding of y carried through the inverse."""
+    return 3e-7 + 2 * propagated_error(form, x)
+
+
 @pytest.mark.parametrize("form", list(FORMS))
 def test_gradient_float32_dense_grid(form):
     fn, _module, _stock, ref, x_min = FORMS[form]
@@ -116,7 +158,8 @@ def test_gradient_float32_dense_grid(form):
     assert err[~near].max() <= 5e-6, float(err[~near].max())
     assert err[near].max() <= 5e-4, float(err[near].max())
     away = (x.double() - x_min).abs() > 0.5
-    assert err[away].max() <= 1.5e-6, float(err[away].max())
+    excess = err[away] - kernel_bound(form, x)[away]
+    assert excess.max() <= 0, (float(excess.max()), float(err[away].max()))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -137,12 +180,24 @@ def test_gradient_random_normal_batches(form):
 
 @pytest.mark.parametrize("form", ["erf", "tanh"])
 def test_underflowed_tail_and_specials(form):
-    # float32 GELU returns -0.0 below about -5.5 (both forms): the gradient is defined as 0.
-    fn, _module, _stock, ref, _x_min = FORMS[form]
+    # Where float32 GELU underflows to -0.0 the gradient is defined as 0. Where that starts
+    # depends on the kernel: about -5.5 for both forms with torch 2.13 on this project's CI
+    # CPU, but torch 2.11's erf form on an H200 host's CPU failed the assertions that took
+    # -6 and -10 to underflow. So the tail is read off the kernel; y at -1e4 underflows in
+    # any arithmetic.
+    fn, _module, stock, ref, _x_min = FORMS[form]
     x = torch.tensor([-6.0, -10.0, -1e4, -5.0, 0.0, -0.0, 10.0, 1e4, float("nan"), float("inf")])
     g = tempo_grad(fn, x)
-    assert torch.equal(g[:3], torch.zeros(3))
-    assert abs(float(g[3]) - float(ref(x[3:4]))) < 1e-6  # still on the curve
+    y = stock(x)
+    tail = (y == 0) & (x < 0)
+    assert tail[2] and torch.equal(g[tail], torch.zeros(int(tail.sum())))
+    # the rest of the negative side is still on the curve, as closely as the stock kernel's y
+    # allows (the bound from y as the kernel rounds it in this same call: its vector and
+    # scalar paths round differently)
+    curve = ~tail & (x < 0) & x.isfinite()
+    assert curve[3]  # -5 is on the curve for every kernel seen
+    err = (g[curve].double() - ref(x[curve])).abs()
+    assert (err <= kernel_bound(form, x)[curve]).all(), err
     assert g[4] == 0.5 and g[5] == 0.5  # y == 0 on the right branch is x == 0
     assert g[6] == 1.0 and g[7] == 1.0
     assert torch.isnan(g[8]) and torch.isnan(g[9])  # NaN and inf x: NaN, as stock backward

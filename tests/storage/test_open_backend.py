@@ -9,6 +9,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 from storage_util import assert_round_trip, empty, filled
 
 from tba.config import Config
@@ -18,6 +19,14 @@ from tba.storage.checksum import checksum_fn
 from tba.storage.native import engine_status
 
 needs_engine = pytest.mark.skipif(not engine_status()["built"], reason="native engine not built")
+
+
+@pytest.fixture(autouse=True)
+def cpu_host(monkeypatch):
+    """These tests describe "auto" on a host without CUDA, where kvikio is not even tried and
+    its absence goes unmentioned; on a GPU host (the GPU check runs this suite there) "auto"
+    first says why kvikio was skipped (test_auto_on_a_gpu_host_says_why_kvikio_was_skipped)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def no_o_direct_at_open(monkeypatch):
@@ -64,6 +73,16 @@ def test_auto_takes_native_on_a_disk(make_cfg):
         assert b.reason.startswith("auto: io_uring engine, depth 32, ")
         assert "kvikio" not in b.reason  # skipping kvikio on a CPU host is not news
         assert f"O_DIRECT write+read probe passed on {b.fs} at {make_cfg().spill_dir}" in b.reason
+
+
+@needs_engine
+def test_auto_on_a_gpu_host_says_why_kvikio_was_skipped(make_cfg, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "kvikio", None)  # as on the GPU image
+    with open_backend(make_cfg(backend="auto")) as b:
+        assert b.name == "native"
+        assert b.reason.startswith("auto: kvikio skipped (kvikio is not installed")
+        assert "); io_uring engine, depth 32, " in b.reason
 
 
 def test_auto_takes_posix_without_io_uring_and_says_why_once(make_cfg, monkeypatch, caplog):
