@@ -31,16 +31,29 @@ decide from, the controller would repeat the decision that made it keep everythi
 was saved from then on). With at least the first block offloaded, every step measures the disk
 again, and the first block is the one whose reads have the whole backward to arrive. Keeping
 everything is what ``TBA_KEEP_LAST`` set to the number of blocks, or ``TBA_ENABLED=0``, asks.
+
+# NOTE [Decision cost]
+A decision replays the step in the simulator once per candidate: adaptive keep once per K (17
+times for a 16-block model), the chooser up to SEARCH_SIMS assignments (NOTE [Chooser]). That is
+Python on the training thread, about 2.5 ms a replay for 16 blocks. On a CPU step of seconds it
+does not show; on an H200, whose 16-block Llama step takes 75 ms, adaptive keep re-deciding
+after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Pacer`): after
+one that took d seconds, the next waits until the steps since have computed for at least
+d / DECISION_SHARE seconds, whatever asks for it (the schedule, a drift, a stall). The first
+decision waits for nothing, and neither does adaptive keep when a step went over
+TBA_MEMORY_BUDGET: a broken memory bound is not left standing to save time.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .budget import MIN_WINDOW, allowed_bytes, default_window_cap, window_room
-from .chooser import Cost, choose
+from .chooser import SEARCH_SIMS, Cost, choose
 from .simulator import DEPTH_SAFETY, PIECE, Engine, Saved, Setup, Span, pieces, read_ahead
 
 __all__ = [
@@ -50,6 +63,7 @@ __all__ = [
     "DepthController",
     "Group",
     "KeepController",
+    "Pacer",
     "PolicyController",
     "Prediction",
     "read_ahead",
@@ -62,6 +76,32 @@ STALL_SHARE = 0.01  # a K is good enough when its predicted stall is at most thi
 DRIFT = 0.25  # re-decide when a bandwidth moves by more than this
 FIRST_K = 1  # K for the first step, before anything was measured
 FLOOR_AGE = 20  # steps without a stall after which the read-ahead floor a stall raised halves
+DECISION_SHARE = (
+    0.01  # decisions take at most this share of the compute time (NOTE [Decision cost])
+)
+
+
+class Pacer:
+    """Spaces a controller's decisions (NOTE [Decision cost]). Each observed step calls
+    :meth:`ready` with its compute seconds; a decision runs inside :meth:`timed`."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.owed = 0.0  # compute seconds to run before the next decision
+        self.last = 0.0  # seconds the last decision took
+
+    def ready(self, compute_seconds: float) -> bool:
+        self.owed = max(0.0, self.owed - compute_seconds)
+        return self.owed == 0.0
+
+    def start(self) -> float:
+        return self.clock()
+
+    def spent(self, t0: float) -> float:
+        """A decision begun at ``t0`` has ended; returns the seconds it took."""
+        self.last = self.clock() - t0
+        self.owed = self.last / DECISION_SHARE
+        return self.last
 
 
 @dataclass(frozen=True)
@@ -127,7 +167,8 @@ class KeepController:
     """Chooses K for ``TBA_KEEP_LAST=auto``; a fixed number just stays. See the NOTE.
 
     ``budget`` is TBA_MEMORY_BUDGET (NOTE [Memory budget]); :attr:`room` is then the largest
-    read-ahead window the budget leaves at the chosen K (None: no budget, no limit).
+    read-ahead window the budget leaves at the chosen K (None: no budget, no limit). ``pacer``
+    spaces the decisions (NOTE [Decision cost]).
     """
 
     def __init__(
@@ -136,7 +177,9 @@ class KeepController:
         prefetch_bytes: int,
         every: int = 20,
         budget: int | float | None = None,
+        pacer: Pacer | None = None,
     ):
+        self.pacer = pacer or Pacer()
         self.auto = setting == "auto"
         self.k = FIRST_K if self.auto else int(setting)
         self.prefetch = prefetch_bytes
@@ -199,8 +242,12 @@ class KeepController:
             abs(now - then) > DRIFT * then for now, then in zip(basis, self.basis)
         )
         due = step - self.decided_at >= self.every
+        ready = self.pacer.ready(base)
         if not (drifted or due or over or stalled > STALL_SHARE * base):
             return
+        if not (ready or over):  # NOTE [Decision cost]
+            return
+        t0 = self.pacer.start()
         spans = _spans(groups, min(PIECE, largest_read) if largest_read else PIECE)
         if allowed is None:
             preds = [
@@ -236,6 +283,7 @@ class KeepController:
             why = "no K meets TBA_MEMORY_BUDGET: the smallest predicted peak"
         self.room = None if allowed is None else best.window
         self._decided(step, best, why, base, w, r, basis, preds, allowed)
+        self.decision["decision_seconds"] = self.pacer.spent(t0)
 
     def _fit(self, spans, first, w, r, want, smallest, allowed, k) -> Prediction:
         """The prediction for ``k`` with the widest window up to ``want`` that keeps the
@@ -431,7 +479,8 @@ class PolicyController:
     more than 25% or a step that stalled more than 1%. Until it has decided, ``auto`` is
     ``offload`` (the last TBA_KEEP_LAST blocks kept)."""
 
-    def __init__(self, policy: str, forced: Any, every: int = 20):
+    def __init__(self, policy: str, forced: Any, every: int = 20, pacer: Pacer | None = None):
+        self.pacer = pacer or Pacer()
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
         self.chosen: dict[int, str] = {}
@@ -468,10 +517,17 @@ class PolicyController:
         drifted = self.basis is None or any(
             abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
         )
+        ready = self.pacer.ready(base)
         if not (drifted or step - self.decided_at >= self.every or stalled > STALL_SHARE * base):
             return
+        if not ready:  # NOTE [Decision cost]
+            return
+        t0 = self.pacer.start()
         limit = budget(sum(g.nbytes for g in groups))
-        got = choose(groups, w, r, limit, prefetch, exhaustive_blocks=0, fixed=fixed)
+        got = choose(
+            groups, w, r, limit, prefetch, exhaustive_blocks=0, fixed=fixed, max_sims=SEARCH_SIMS
+        )
+        spent = self.pacer.spent(t0)
         chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
@@ -487,6 +543,7 @@ class PolicyController:
             "write_bps": w,
             "read_bps": r,
             "searched": got.searched,
+            "decision_seconds": spent,
         }
         if changed:
             log.info(

@@ -16,6 +16,8 @@ from tba.adaptive import (
     DepthController,
     Group,
     KeepController,
+    Pacer,
+    PolicyController,
     adapt,
     simulate,
 )
@@ -115,6 +117,54 @@ def test_controller_waits_between_decisions_unless_something_changes():
     assert ctl.decision == decided
     ctl.observe(3, records(6, 0.1, 0.2, 100 * MB, stall=0.1), 1e12, 1e12, lambda k: 6 - k, 6)
     assert ctl.decision["step"] == 3  # a stalled step re-decides
+
+
+class SlowClock:
+    """A clock on which every decision (from one reading to the next) takes ``cost`` seconds."""
+
+    def __init__(self, cost):
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self):
+        self.now += self.cost
+        return self.now
+
+
+def test_decisions_are_paced_to_a_percent_of_compute():
+    """NOTE [Decision cost]: a decision of 0.09 s is followed by none until 9 s of compute have
+    run (5 steps of 1.8 s), even though every step stalls; then the next one runs."""
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, pacer=Pacer(SlowClock(0.09)))
+    stalled = records(6, 0.1, 0.2, 100 * MB, stall=0.1)
+    ctl.observe(1, stalled, 1e12, 1e12, lambda k: 6 - k, 6)
+    assert ctl.decision["step"] == 1
+    assert ctl.decision["decision_seconds"] == pytest.approx(0.09)
+    for step in range(2, 6):  # 1.8 s of compute each: 7.2 s by step 5
+        ctl.observe(step, stalled, 1e12, 1e12, lambda k: 6 - k, 6)
+        assert ctl.decision["step"] == 1
+    ctl.observe(6, stalled, 1e12, 1e12, lambda k: 6 - k, 6)
+    assert ctl.decision["step"] == 6
+
+
+def test_a_step_over_the_budget_is_not_paced():
+    ctl = KeepController(
+        "auto", prefetch_bytes=128 << 20, budget=300 * MB, pacer=Pacer(SlowClock(10.0))
+    )
+    recs = records(6, 0.1, 0.2, 100 * MB)
+    ctl.observe(1, recs, 1e12, 1e12, lambda k: 6 - k, 6, saved_bytes=600 * MB, peak_bytes=0)
+    ctl.observe(2, recs, 1e12, 1e12, lambda k: 6 - k, 6, saved_bytes=600 * MB, peak_bytes=10**9)
+    assert ctl.decision["step"] == 2  # 10 s decisions owe 1000 s, but memory comes first
+
+
+def test_the_chooser_is_paced_too():
+    from .test_chooser import records as policy_records
+
+    ctl = PolicyController("auto", None, pacer=Pacer(SlowClock(1.0)))
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    ctl.observe(1, policy_records(["offload"] * 6), 20e6, 20e6, budget, 128 * MIB)
+    assert ctl.decision["step"] == 1 and ctl.decision["decision_seconds"] == pytest.approx(1.0)
+    ran = ctl.decision["actions"]
+    ctl.observe(2, policy_records(ran, stall=0.5), 2e9, 2e9, budget, 128 * MIB)
+    assert ctl.decision["step"] == 1  # drift and stall, but 100 s of compute are owed
 
 
 def test_a_fixed_number_is_never_changed():

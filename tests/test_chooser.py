@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tba.adaptive import PolicyController
-from tba.chooser import Cost, choose, group_actions, predict
+from tba.chooser import SEARCH_SIMS, Cost, choose, group_actions, predict
 
 MiB = 1 << 20
 
@@ -185,3 +185,26 @@ def test_a_group_costs_its_storages_once_whether_kept_or_offloaded(make_offloade
         assert sum(got[policy]) == off.stats()["saved_bytes"]
     assert got["keep"] == got["offload"]
     assert any(x["packed_bytes"] > x["saved_bytes"] for x in recs)  # views of one storage
+
+
+def deep(blocks, fwd=0.0015, nbytes=485 * 10**6, inputs=16 * 10**6):
+    """An H200-like step of the 16-layer GPU benchmark model, ``blocks`` deep."""
+    return w1_like(blocks=blocks, fwd=fwd, nbytes=nbytes, inputs=inputs)
+
+
+@pytest.mark.parametrize("n", [16, 48])
+def test_run_time_search_is_bounded(n):
+    """NOTE [Chooser]: the search stops after max_sims replays (at most one descent step over),
+    and on 16 blocks finds what the unbounded search finds; the unbounded search of an earlier
+    version took 3,885 replays (10 s) there."""
+    gs = deep(n)
+    budget = int(0.35 * total(gs))
+    got = choose(gs, 2e9, 0.8e9, budget, exhaustive_blocks=0, max_sims=SEARCH_SIMS)
+    assert got.fits and got.searched <= SEARCH_SIMS + 2 * n
+    keeps = got.best.actions.count("keep")
+    assert keeps >= int(0.25 * n)  # the budget is used, not left at all-recompute
+    if n == 16:
+        free = choose(gs, 2e9, 0.8e9, budget, exhaustive_blocks=0)
+        assert got.best.step_seconds == pytest.approx(free.best.step_seconds)
+        cut = choose(gs, 2e9, 0.8e9, budget, exhaustive_blocks=0, max_sims=40)
+        assert cut.searched <= 40 + 2 * n  # the bound binds
