@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import dump_json, machine_line  # noqa: E402
 
 import tba  # noqa: E402
-from tba.adaptive import PolicyController  # noqa: E402
+from tba.autopolicy import PolicyController  # noqa: E402
 from tba.chooser import predict  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 

@@ -31,29 +31,16 @@ decide from, the controller would repeat the decision that made it keep everythi
 was saved from then on). With at least the first block offloaded, every step measures the disk
 again, and the first block is the one whose reads have the whole backward to arrive. Keeping
 everything is what ``TBA_KEEP_LAST`` set to the number of blocks, or ``TBA_ENABLED=0``, asks.
-
-# NOTE [Decision cost]
-A decision replays the step in the simulator once per candidate: adaptive keep once per K (17
-times for a 16-block model), the chooser up to SEARCH_SIMS assignments (NOTE [Chooser]). That is
-Python on the training thread, about 2.5 ms a replay for 16 blocks. On a CPU step of seconds it
-does not show; on an H200, whose 16-block Llama step takes 75 ms, adaptive keep re-deciding
-after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Pacer`): after
-one that took d seconds, the next waits until the steps since have computed for at least
-d / DECISION_SHARE seconds, whatever asks for it (the schedule, a drift, a stall). The first
-decision waits for nothing, and neither does adaptive keep when a step went over
-TBA_MEMORY_BUDGET: a broken memory bound is not left standing to save time.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .budget import MIN_WINDOW, allowed_bytes, default_window_cap, window_room
-from .chooser import SEARCH_SIMS, Cost, choose
+from .pacer import DRIFT, STALL_SHARE, Pacer
 from .simulator import DEPTH_SAFETY, PIECE, Engine, Saved, Setup, Span, pieces, read_ahead
 
 __all__ = [
@@ -63,8 +50,6 @@ __all__ = [
     "DepthController",
     "Group",
     "KeepController",
-    "Pacer",
-    "PolicyController",
     "Prediction",
     "read_ahead",
     "simulate",
@@ -72,36 +57,8 @@ __all__ = [
 
 log = logging.getLogger("tba")
 
-STALL_SHARE = 0.01  # a K is good enough when its predicted stall is at most this share of a step
-DRIFT = 0.25  # re-decide when a bandwidth moves by more than this
 FIRST_K = 1  # K for the first step, before anything was measured
 FLOOR_AGE = 20  # steps without a stall after which the read-ahead floor a stall raised halves
-DECISION_SHARE = (
-    0.01  # decisions take at most this share of the compute time (NOTE [Decision cost])
-)
-
-
-class Pacer:
-    """Spaces a controller's decisions (NOTE [Decision cost]). Each observed step calls
-    :meth:`ready` with its compute seconds; a decision runs inside :meth:`timed`."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        self.owed = 0.0  # compute seconds to run before the next decision
-        self.last = 0.0  # seconds the last decision took
-
-    def ready(self, compute_seconds: float) -> bool:
-        self.owed = max(0.0, self.owed - compute_seconds)
-        return self.owed == 0.0
-
-    def start(self) -> float:
-        return self.clock()
-
-    def spent(self, t0: float) -> float:
-        """A decision begun at ``t0`` has ended; returns the seconds it took."""
-        self.last = self.clock() - t0
-        self.owed = self.last / DECISION_SHARE
-        return self.last
 
 
 @dataclass(frozen=True)
@@ -168,7 +125,7 @@ class KeepController:
 
     ``budget`` is TBA_MEMORY_BUDGET (NOTE [Memory budget]); :attr:`room` is then the largest
     read-ahead window the budget leaves at the chosen K (None: no budget, no limit). ``pacer``
-    spaces the decisions (NOTE [Decision cost]).
+    spaces the decisions (NOTE [Decision cost] in tba/pacer.py).
     """
 
     def __init__(
@@ -245,7 +202,7 @@ class KeepController:
         ready = self.pacer.ready(base)
         if not (drifted or due or over or stalled > STALL_SHARE * base):
             return
-        if not (ready or over):  # NOTE [Decision cost]
+        if not (ready or over):  # NOTE [Decision cost] in tba/pacer.py
             return
         t0 = self.pacer.start()
         spans = _spans(groups, min(PIECE, largest_read) if largest_read else PIECE)
@@ -464,128 +421,3 @@ def adapt(
     )
     depth.limit(step, keeper.room)
     return depth.depth
-
-
-# The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
-# step's saved bytes (the target the issue sets for the defaults). The one call site is
-# Offloader._memory_budget.
-DEFAULT_BUDGET_SHARE = 0.35
-
-
-class PolicyController:
-    """Per-block actions for TBA_POLICY and TBA_BLOCK_POLICY (NOTE [Block policy] in
-    tba/recompute.py); chooses them for ``auto`` (NOTE [Chooser] in tba/chooser.py), deciding
-    as adaptive keep does: after step 1, every ``every`` steps, at once on a bandwidth drift of
-    more than 25% or a step that stalled more than 1%. Until it has decided, ``auto`` is
-    ``offload`` (the last TBA_KEEP_LAST blocks kept)."""
-
-    def __init__(self, policy: str, forced: Any, every: int = 20, pacer: Pacer | None = None):
-        self.pacer = pacer or Pacer()
-        self.policy = policy
-        self.forced: dict[int, str] = dict(forced or ())
-        self.chosen: dict[int, str] = {}
-        self.every = every
-        self.decided_at = 0
-        self.basis: tuple[float, float] | None = None
-        self.bandwidth: tuple[float | None, float | None] = (None, None)
-        self.block_bytes: dict[int, tuple[int, int]] = {}  # block -> (saved, input) measured
-        self.decision: dict[str, Any] = {
-            "policy": policy,
-            "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
-        }
-
-    def default_action(self) -> str | None:
-        """The action of blocks nothing names; None: the keep-last rule."""
-        return self.policy if self.policy in ("keep", "recompute") else None
-
-    def assignment(self) -> dict[int, str] | None:
-        got = dict(self.chosen)
-        got.update(self.forced)
-        return got or None
-
-    def observe(self, step: int, records, write_bps, read_bps, budget, prefetch: int) -> None:
-        """A step whose backward has run. ``budget(saved)`` gives the memory budget in bytes
-        for a step that saves ``saved`` bytes (None: unbounded)."""
-        w = write_bps or self.bandwidth[0]
-        r = read_bps or self.bandwidth[1]
-        self.bandwidth = (w, r)
-        groups, fixed = self._costs(records)
-        if self.policy != "auto" or not any(g.block for g in groups) or not w or not r:
-            return  # without a model's blocks (pack-order windows), auto is offload
-        base = sum(g.fwd + g.bwd for g in groups)
-        stalled = sum(x["stall_seconds"] for x in records)
-        drifted = self.basis is None or any(
-            abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
-        )
-        ready = self.pacer.ready(base)
-        if not (drifted or step - self.decided_at >= self.every or stalled > STALL_SHARE * base):
-            return
-        if not ready:  # NOTE [Decision cost]
-            return
-        t0 = self.pacer.start()
-        limit = budget(sum(g.nbytes for g in groups))
-        got = choose(
-            groups, w, r, limit, prefetch, exhaustive_blocks=0, fixed=fixed, max_sims=SEARCH_SIMS
-        )
-        spent = self.pacer.spent(t0)
-        chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
-        changed = chosen != self.chosen
-        self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
-        why = "fastest predicted step within the budget" if got.fits else "none fits: lowest peak"
-        self.decision = {
-            "policy": "auto",
-            "actions": list(got.best.actions),
-            "reason": why,
-            "step": step,
-            "budget_bytes": limit,
-            "predicted_step_seconds": got.best.step_seconds,
-            "predicted_peak_bytes": got.best.peak_bytes,
-            "write_bps": w,
-            "read_bps": r,
-            "searched": got.searched,
-            "decision_seconds": spent,
-        }
-        if changed:
-            log.info(
-                "tba: policy=auto chose %s after step %d (%s; predicted step %.3f s, peak %d "
-                "bytes, budget %s; write %.0f MB/s, read %.0f MB/s)",
-                ",".join(got.best.actions),
-                step,
-                why,
-                got.best.step_seconds,
-                got.best.peak_bytes,
-                limit,
-                w / 1e6,
-                r / 1e6,
-            )
-
-    def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:
-        """The chooser's groups from a step's records; blocks checkpointed by the user are
-        fixed as recomputed. Bytes of a block come from the last step that measured them."""
-        groups, fixed, b = [], {}, 0
-        for x in records:
-            act = x["action"]
-            if not act:
-                groups.append(Cost(x["fwd_seconds"], x["bwd_seconds"], _group_bytes(x), 0, False))
-                continue
-            if act == "user":
-                fixed[b] = "recompute"
-            saved = _group_bytes(x) + (x["hidden_bytes"] if act == "recompute" else 0)
-            if act != "user" and (act != "recompute" or x["hidden_bytes"]):
-                self.block_bytes[b] = (saved, x["input_bytes"])
-            saved, inputs = self.block_bytes.get(b, (saved, x["input_bytes"]))
-            bwd = x["bwd_seconds"] - (x["fwd_seconds"] if act in ("recompute", "user") else 0.0)
-            groups.append(Cost(x["fwd_seconds"], max(0.0, bwd), saved, inputs))
-            b += 1
-        fixed.update(self.forced)
-        return groups, fixed
-
-
-def _group_bytes(x: dict[str, Any]) -> int:
-    """What a group saves, each storage once: kept views of one storage (a q/k/v split kept
-    because staging was full) count once, as they do when the storage is captured whole.
-    (offloaded + kept counted such views once each: W1's blocks read 193 MB at 50 MB/s,
-    where 134 MB were saved, and every prediction of the chooser's peak ran high.)"""
-    if "saved_bytes" in x:
-        return x["saved_bytes"]
-    return x["offloaded_bytes"] + x["kept_bytes"]  # a trace written before the field

@@ -19,13 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adaptive import (
-    DEFAULT_BUDGET_SHARE,
-    DepthController,
-    KeepController,
-    PolicyController,
-    adapt,
-)
+from .adaptive import DepthController, KeepController, adapt
+from .autopolicy import DEFAULT_BUDGET_SHARE, PolicyController
 from .budget import allowed_bytes
 from .budget import decision as budget_decision
 from .config import Config

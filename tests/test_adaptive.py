@@ -16,11 +16,11 @@ from tba.adaptive import (
     DepthController,
     Group,
     KeepController,
-    Pacer,
-    PolicyController,
     adapt,
     simulate,
 )
+from tba.autopolicy import PolicyController
+from tba.pacer import Pacer
 from tba.testing import GPT, GPTConfig, random_batch
 
 MIB = 1 << 20

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tba.adaptive import PolicyController
+from tba.autopolicy import PolicyController
 from tba.chooser import SEARCH_SIMS, Cost, choose, group_actions, predict
 
 MiB = 1 << 20
@@ -167,7 +167,7 @@ def test_controller_without_blocks_stays_offload():
 def test_a_group_costs_its_storages_once_whether_kept_or_offloaded(make_offloader):
     """The chooser's bytes per group do not depend on how the group ran: kept views of one
     storage (q, k, v of one projection) count once, as when the storage is offloaded whole."""
-    from tba.adaptive import _group_bytes
+    from tba.autopolicy import _group_bytes
     from tba.testing import GPT, GPTConfig, random_batch
 
     cfg = GPTConfig(vocab=64, seq=32, hidden=32, heads=4, layers=3)

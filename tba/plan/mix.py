@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from .._config_values import _budget
-from ..adaptive import DEFAULT_BUDGET_SHARE
+from ..autopolicy import DEFAULT_BUDGET_SHARE
 from ..budget import allowed_bytes, describe
 from ..chooser import Cost, Prediction, choose, predict
 from ..errors import ValueParseError
