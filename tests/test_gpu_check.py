@@ -46,3 +46,29 @@ def test_a_run_cut_short_is_counted_from_its_verbose_lines():
     assert not got["complete"]
     assert got["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
     assert got["failed"] == ["suite/b.py::test_y[erf]", "suite/d.py::test_w"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        f"gpu_{name}", ROOT / "benchmarks" / "gpu" / f"{name}.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_benchmark_names_what_auto_decided_and_predicted():
+    bench = _load("bench_gpu")
+    st = {
+        "policy": "auto",
+        "keep_last": 14,
+        "policy_decision": {
+            "actions": ["keep"] * 4 + ["recompute"] * 12,
+            "predicted_step_seconds": 0.4307,
+            "decision_seconds": 0.27,
+        },
+    }
+    assert bench.decided(st) == (
+        "4 keep, 0 offload, 12 recompute (predicted step 0.431 s, decided in 0.27 s)"
+    )
+    assert bench.decided({"policy": "offload", "keep_last": 3}) == "offload, keep_last 3"

@@ -176,10 +176,17 @@ def exactness(model, offs, x, y, dev) -> dict:
 
 
 def decided(st: dict) -> str:
-    """What the step's policy did to the blocks, in a few words."""
-    acts = st.get("policy_decision", {}).get("actions")
+    """What the step's policy did to the blocks, in a few words; for ``auto`` also the step
+    time its chooser predicted (blocks are timed with the host clock: on a GPU the prediction
+    shows how far that is from the kernels' time) and how long it took to decide."""
+    d = st.get("policy_decision", {})
+    acts = d.get("actions")
     if acts:
-        return ", ".join(f"{acts.count(a)} {a}" for a in ("keep", "offload", "recompute"))
+        mix = ", ".join(f"{acts.count(a)} {a}" for a in ("keep", "offload", "recompute"))
+        return (
+            f"{mix} (predicted step {d['predicted_step_seconds']:.3f} s, "
+            f"decided in {d.get('decision_seconds', 0.0):.2f} s)"
+        )
     return f"{st['policy']}, keep_last {st['keep_last']}"
 
 
