@@ -3,7 +3,7 @@
 It holds no logic: pack goes to the Packer (tba/pack.py), unpack to the Reader
 (tba/unpack.py). One instance per step, so every tensor is credited to the step that saved it.
 Both are ``torch.compiler.disable``d: autograd calls them while compiled code runs, and dynamo
-must not compile tba's own code (NOTE [Compiled regions] in tba/scheduler.py).
+must not compile tba's own code (NOTE [Compiled regions] in tba/groups.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ COMPILED_STEP = (
 
 class EagerScope:
     """Runs a context manager's enter and exit outside dynamo (NOTE [Compiled regions] in
-    tba/scheduler.py): traced code breaks its graph at the ``with`` (``fullgraph=True``
+    tba/groups.py): traced code breaks its graph at the ``with`` (``fullgraph=True``
     refuses, quoting :data:`COMPILED_STEP`), and at run time the step machinery runs eagerly
     around the compiled code inside the block, never compiled as frames of its own."""
 

@@ -25,6 +25,7 @@ from .budget import allowed_bytes
 from .budget import decision as budget_decision
 from .config import Config
 from .errors import UsageError
+from .groups import GroupTracker
 from .hook import EagerScope, OffloadHooks
 from .index import Index
 from .io import IO, check_host_memory
@@ -32,7 +33,7 @@ from .metrics import RankMetrics
 from .pack import Packer
 from .policy import Policy
 from .recompute import Recompute
-from .scheduler import GroupTracker, Prefetcher
+from .scheduler import Prefetcher
 from .step import StepState
 from .subclass import plain
 from .trace import TraceWriter
@@ -104,7 +105,7 @@ class Offloader:
     def step(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager[Offloader]:
         """Offload what autograd saves inside this block. Backward may run after it ends.
 
-        ``model`` lets tba take groups from its blocks (see NOTE [Groups] in scheduler.py);
+        ``model`` lets tba take groups from its blocks (see NOTE [Groups] in tba/groups.py);
         without it, groups are pack-order windows. Opening it in code that torch.compile traces
         breaks the graph there (NOTE [Compiled regions]).
         """

@@ -1,7 +1,7 @@
 """Block-level recompute: tba runs a block under activation checkpointing for one step.
 
 # NOTE [Block policy]
-Each block of a step (NOTE [Groups] in tba/scheduler.py) gets one action: ``keep`` (its saved
+Each block of a step (NOTE [Groups] in tba/groups.py) gets one action: ``keep`` (its saved
 tensors stay resident), ``offload`` (written to disk, read back ahead of backward) or
 ``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it
 saves is dropped after its forward and computed again in backward). ``TBA_POLICY`` picks the

@@ -1,9 +1,10 @@
 """The Packer and the Reader wired by hand, without an Offloader, for tests of each alone.
 
-The parts are the real ones (tba.index, tba.io, tba.pack, tba.unpack, tba.scheduler) over the
-real memory backend; only time is fake (a clock that advances 1 ms per reading, so every
-duration tba measures is a whole number of readings), and a backend may be swapped for one of
-the small real backends below that refuse space, fail, or hold transfers until released.
+The parts are the real ones (tba.index, tba.io, tba.pack, tba.unpack, tba.groups,
+tba.scheduler) over the real memory backend; only time is fake (a clock that advances 1 ms per
+reading, so every duration tba measures is a whole number of readings), and a backend may be
+swapped for one of the small real backends below that refuse space, fail, or hold transfers
+until released.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 
 import tba
 from tba.errors import StorageError
+from tba.groups import GroupTracker
 from tba.index import Index
 from tba.io import IO
 from tba.pack import Packer
 from tba.policy import Policy
-from tba.scheduler import GroupTracker, Prefetcher
+from tba.scheduler import Prefetcher
 from tba.step import StepState
 from tba.storage.memory import MemoryBackend
 from tba.unpack import Reader

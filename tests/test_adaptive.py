@@ -12,14 +12,13 @@ import torch
 import tba
 from tba.adaptive import (
     DEPTH_SAFETY,
-    FLOOR_AGE,
-    DepthController,
     Group,
     KeepController,
     adapt,
     simulate,
 )
 from tba.autopolicy import PolicyController
+from tba.depth import FLOOR_AGE, DepthController
 from tba.pacer import Pacer
 from tba.testing import GPT, GPTConfig, random_batch
 

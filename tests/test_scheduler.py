@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from tba.entry import CAPTURE, ON_DISK, WRITING
-from tba.scheduler import GroupTracker, Prefetcher, detect_blocks
+from tba.groups import GroupTracker, detect_blocks
+from tba.scheduler import Prefetcher
 from tba.step import StepState
 from tba.testing import GPT, GPTConfig
 

@@ -9,7 +9,7 @@ import pytest
 
 from tba import adaptive
 from tba import plan as P
-from tba.scheduler import GroupTracker
+from tba.groups import GroupTracker
 from tba.simulator import PIECE, Engine, Saved, Setup, Span, kept_from, pieces
 
 MiB = 1 << 20

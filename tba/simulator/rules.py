@@ -70,7 +70,7 @@ def offloadable(s: Saved, min_offload_bytes: int) -> bool:
 def kept_from(blocks: Sequence[bool], keep: int) -> int:
     """The first group that stays resident with keep-last ``keep``, given which groups are
     blocks: the first of the last ``keep`` blocks (every group after it stays too); the
-    number of groups when ``keep`` is 0. tba's GroupTracker.kept_from (tba/scheduler.py)
+    number of groups when ``keep`` is 0. tba's GroupTracker.kept_from (tba/groups.py)
     numbers groups so that it gives the same index."""
     if keep <= 0:
         return len(blocks)
@@ -121,7 +121,7 @@ def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
 # than backward consumes (r <= c), no window hides that, and the cap is used (adaptive keep
 # then keeps more). A step that stalls more than STALL_SHARE of its compute raises a floor: the
 # depth does not drop below twice the depth that stalled (up to the cap; DepthController in
-# tba/adaptive.py) until FLOOR_AGE steps pass without a stall, when the floor halves. A smaller
+# tba/depth.py) until FLOOR_AGE steps pass without a stall, when the floor halves. A smaller
 # window is a lower peak: on W1 the read-ahead window is most of what tba keeps resident in
 # backward. TBA_MEMORY_BUDGET can cut the window below this (NOTE [Memory budget] in
 # tba/budget.py), never below one largest read.

@@ -1,4 +1,4 @@
-"""torch.compile with tba (NOTE [Compiled regions] in tba/scheduler.py): the same graphs as
+"""torch.compile with tba (NOTE [Compiled regions] in tba/groups.py): the same graphs as
 without tba, counted with dynamo's own counters, bit-identical losses and gradients, no
 recompilation from step to step, per-block compiled models grouped by block, and the
 combinations that cannot work refused with tba's message."""

@@ -1,0 +1,298 @@
+"""Groups: which block (or pack-order window) a saved tensor belongs to, and each block's action.
+
+# NOTE [Groups]
+With a model, groups are its blocks: the largest ``ModuleList``/``Sequential`` of modules of one
+class (transformer layers), else its top-level children. A forward pre-hook and a forward hook
+on each block mark which block is executing; they are installed once per model, the first time
+it is given to a step (:meth:`GroupTracker.attach`), and do nothing outside this tracker's
+steps. Each block has an action (NOTE [Block policy] in tba/recompute.py); with the default
+policy, tensors packed from the first of the last ``keep_last`` blocks onwards (the head
+included) are kept resident: backward needs them first. Without a model, a new group starts
+every ``group_bytes`` packed bytes, and the last ``keep_last`` groups of the previous step
+decide which window is kept (none on the first step).
+
+# NOTE [Compiled regions]
+torch.compile turns a region into one autograd node that saves all its tensors when the region
+ends and unpacks them all when its backward starts; inside it there are no block boundaries to
+see. tba therefore stays out of dynamo's way at two boundaries: the saved-tensor hooks are
+``torch.compiler.disable``d (tba/hook.py: autograd calls them while a compiled frame runs, and
+dynamo would otherwise compile them as frames of their own), and the block hooks return at once
+while dynamo traces them (``torch.compiler.is_compiling()``), so a traced model holds nothing of
+tba and compiles to the same graphs as without it. Hooks on a block that is itself the compiled
+unit (``model.blocks[i] = torch.compile(block)``) run eagerly around it and group as usual. When
+the blocks run inside a larger compiled region, or compiled code was built before the hooks
+existed, no block hook fires although tensors were packed: tba groups that model by pack-order
+windows from then on, so that ``keep_last`` still means something, and warns once per model
+(unless ``keep_last`` is fixed at 0, where grouping decides nothing).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import internal_error
+from .recompute import USER, Recompute, foreign_hooks_innermost
+from .step import StepState
+
+
+def detect_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (e.g. transformer layers), else its children."""
+    best: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            cls, count = Counter(type(c) for c in mod).most_common(1)[0]
+            if count >= 2 and count > len(best):
+                best = [c for c in mod if type(c) is cls]
+    if best:
+        return best
+    children = list(model.children())
+    return children if children else [model]
+
+
+def _tensor_bytes(args: Any) -> int:
+    """Bytes of the distinct storages of the tensors among ``args``."""
+    seen = {}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            st = a.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class _Attached:
+    """The block hooks installed on one model, and how its saved tensors are grouped."""
+
+    __slots__ = ("name", "blocks", "handles", "windows")
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module]):
+        self.name = type(model).__name__
+        self.blocks = blocks
+        self.handles: list[Any] = []
+        self.windows = False  # no block hook fires (NOTE [Compiled regions]): pack-order windows
+
+
+def _enter_hook(tracker: weakref.ref[GroupTracker], rec: _Attached, i: int) -> Callable:
+    def enter(module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced by dynamo: nothing of tba in the graph (NOTE [Compiled regions])
+        t = tracker()
+        if t is not None and t.current is rec:
+            t.enter_block(i, args)
+
+    return enter
+
+
+def _exit_hook(tracker: weakref.ref[GroupTracker], rec: _Attached) -> Callable:
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        t = tracker()
+        if t is not None and t.current is rec:
+            t.exit_block()
+
+    return leave
+
+
+class GroupTracker:
+    """Which group the forward is in, and whether that group stays resident."""
+
+    def __init__(self, keep_last: int, group_bytes: int):
+        self.keep_last = keep_last
+        self.group_bytes = group_bytes
+        self.prev_windows: int | None = None
+        self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
+        self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
+        self.default_action: str | None = None  # blocks not in it; None: from keep_last
+        self.lead_kept = False  # the group before the first block is kept (policy keep)
+        self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
+        self.adaptive = False  # keep_last is chosen per step (TBA_KEEP_LAST=auto)
+        self._unwrap: list[Callable[[], None]] = []
+        self.actions_now: list[str] = []  # this step's action per block
+        self._attached: weakref.WeakKeyDictionary[nn.Module, _Attached] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.reset(None)
+
+    def kept_from(self, k: int, groups: int) -> int:
+        """The first group index kept with ``keep_last=k``, for a step of ``groups`` groups.
+
+        With a model, group 2i+1 is block i and the groups between and after blocks follow the
+        block before them; without one, groups are the pack-order windows.
+        """
+        if k <= 0:
+            return groups
+        if self.n_blocks:
+            return max(1, 2 * (self.n_blocks - k) + 1)
+        return max(0, groups - k)
+
+    def max_keep(self, groups: int) -> int:
+        return self.n_blocks or groups
+
+    def actions(self, n: int) -> list[str]:
+        """The action of each of ``n`` blocks: the assignment's where it names the block, else
+        ``default_action``, else keep for the last ``keep_last`` blocks and offload for the
+        others."""
+        first_kept = n - self.keep_last if self.keep_last else n
+        got = self.assignment or {}
+        other = self.default_action
+        return [got.get(i, other or ("keep" if i >= first_kept else "offload")) for i in range(n)]
+
+    def reset(self, step: StepState | None) -> None:
+        self.step = step
+        self.stat = step.group(0) if step is not None else None  # the current group's GroupStat
+        self.group = 0
+        self.kept = self.lead_kept and step is not None
+        if self.kept:
+            self.stat.kept = True
+        self.recomputing = False
+        self.packed = 0
+        self.window = 0  # the pack-order window of the last pack
+        self.entered = 0  # block hooks that fired in this step
+        self.first_kept: int | None = None  # windows: the first kept window
+        self.by_model = False
+        self.current: _Attached | None = None  # the model whose block hooks count now
+
+    def attach(self, model: nn.Module) -> _Attached:
+        """Install the block hooks on ``model``, once per model (NOTE [Groups]).
+
+        The hooks stay for the model's life (or until :meth:`detach_all`) and act only while a
+        step of this tracker runs with this model; a step adds and removes nothing, so compiled
+        code built for the model stays valid from step to step.
+        """
+        rec = self._attached.get(model)
+        if rec is None:
+            rec = self._attached[model] = _Attached(model, detect_blocks(model))
+            me = weakref.ref(self)
+            for i, block in enumerate(rec.blocks):
+                rec.handles.append(block.register_forward_pre_hook(_enter_hook(me, rec, i)))
+                rec.handles.append(block.register_forward_hook(_exit_hook(me, rec)))
+        return rec
+
+    def detach_all(self) -> None:
+        """Remove every block hook this tracker installed (the Offloader is closing)."""
+        for rec in list(self._attached.values()):
+            for h in rec.handles:
+                h.remove()
+            rec.handles.clear()
+        self._attached = weakref.WeakKeyDictionary()
+
+    def begin(self, step: StepState, model: nn.Module | None) -> None:
+        self.reset(step)
+        step.keep_last = self.keep_last
+        self.stat.fwd_start = time.perf_counter()
+        rec = self.attach(model) if model is not None else None
+        if rec is not None and not rec.windows:
+            self.by_model = True
+            self.current = rec
+            n = self.n_blocks = len(rec.blocks)
+            actions = self.actions_now = self.actions(n)
+            step.kept_groups = actions.count("keep")
+            step.group_policy = list(actions)
+            for block, action in zip(rec.blocks, actions):
+                if action == "recompute":
+                    self._unwrap.append(self._wrap(block))
+            return
+        self.n_blocks = 0
+        self.actions_now = []
+        if self.keep_last and self.prev_windows is not None:
+            self.first_kept = max(0, self.prev_windows - self.keep_last)
+            step.kept_groups = self.prev_windows - self.first_kept
+
+    def _wrap(self, block: nn.Module) -> Callable[[], None]:
+        if self.recompute is None:
+            raise internal_error("groups", "a recompute action without a Recompute")
+        return self.recompute.install(block, lambda: (self.step, self.stat))
+
+    def enter_block(self, i: int, args: Any) -> None:
+        self.entered += 1
+        self._switch(self.group + 1)
+        if foreign_hooks_innermost():  # checkpointed by the user: left as it is
+            act = USER
+            if self.step is not None and i < len(self.step.group_policy):
+                self.step.group_policy[i] = USER
+        else:
+            act = self.actions_now[i] if i < len(self.actions_now) else "offload"
+        self.kept = act == "keep"
+        self.recomputing = act == "recompute"
+        if self.stat is not None:
+            self.stat.kept = self.kept
+            self.stat.action = act
+            self.stat.input_bytes = _tensor_bytes(args)
+            if self.recomputing and self.step is not None:
+                self.step.recomputed_groups += 1
+
+    def exit_block(self) -> None:
+        self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
+        self.recomputing = False
+        if self.kept and self.stat is not None:
+            self.stat.kept = True  # after a kept block (the head): kept too
+
+    def _switch(self, group: int) -> None:
+        """The forward moves on to ``group``: close the current group's forward time."""
+        self.group = group
+        if self.step is not None:
+            now = time.perf_counter()
+            self.stat.fwd_end = now
+            self.stat = self.step.group(group)
+            self.stat.fwd_start = now
+
+    def on_pack(self, nbytes: int) -> bool | str:
+        """Account a pack of ``nbytes``; True when it belongs to a kept group, "recompute" when
+        to a recomputed block (its checkpoint's inputs: kept, NOTE [Block policy])."""
+        self.window = window = self.packed // self.group_bytes
+        self.packed += nbytes
+        if self.by_model:
+            return "recompute" if self.recomputing else self.kept
+        if window != self.group:
+            self._switch(window)
+        kept = self.first_kept is not None and window >= self.first_kept
+        if kept and self.stat is not None:
+            self.stat.kept = True
+        return kept
+
+    def end(self) -> None:
+        if self.stat is not None:
+            self.stat.fwd_end = time.perf_counter()
+        for undo in self._unwrap:
+            undo()
+        self._unwrap.clear()
+        if self.by_model and not self.entered and self.packed:
+            self._no_block_ran()
+        if not self.by_model:
+            self.prev_windows = self.window + 1 if self.packed else 0
+        if self.step is not None:
+            self.step.groups = self.group + (0 if self.by_model else 1)
+        self.step = None
+        self.stat = None
+        self.current = None
+
+    def _no_block_ran(self) -> None:
+        """Tensors were saved, but no block hook fired (NOTE [Compiled regions])."""
+        rec = self.current
+        rec.windows = True
+        self.by_model = False
+        self.n_blocks = 0
+        if self.step is not None:
+            self.step.kept_groups = 0
+            self.step.group_policy = []  # no block ran as a block
+        if not (self.keep_last or self.adaptive):
+            return  # nothing is kept by group: windows change no decision
+        warnings.warn(
+            f"tba: none of the {len(rec.blocks)} blocks of {rec.name} ran its module hooks "
+            "during this step, though tensors were saved: they ran inside a torch.compile "
+            "region (or compiled code built before tba first saw the model), where tba cannot "
+            "see where a block starts. From now on this model's saved tensors are grouped by "
+            "pack order (TBA_GROUP_BYTES windows) and keep_last counts those windows. To group "
+            "by block, compile each block as a module of its own "
+            "(`model.layers[i] = torch.compile(model.layers[i])`) and leave the model uncompiled.",
+            UserWarning,
+            stacklevel=5,
+        )
