@@ -15,8 +15,8 @@ __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
 log = logging.getLogger("tba")
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
-# step's saved bytes (the target the issue sets for the defaults). The one call site is
-# Offloader._memory_budget.
+# step's saved bytes (the target the issue sets for the defaults). Read by
+# Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
 DEFAULT_BUDGET_SHARE = 0.35
 
 

@@ -34,7 +34,6 @@ class Pacer:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.owed = 0.0  # compute seconds to run before the next decision
-        self.last = 0.0  # seconds the last decision took
 
     def ready(self, compute_seconds: float) -> bool:
         self.owed = max(0.0, self.owed - compute_seconds)
@@ -45,6 +44,6 @@ class Pacer:
 
     def spent(self, t0: float) -> float:
         """A decision begun at ``t0`` has ended; returns the seconds it took."""
-        self.last = self.clock() - t0
-        self.owed = self.last / DECISION_SHARE
-        return self.last
+        took = self.clock() - t0
+        self.owed = took / DECISION_SHARE
+        return took
