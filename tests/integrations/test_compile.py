@@ -68,8 +68,12 @@ def _train(make, off=None, model_for_step=True, sync=True, rows=16):
         else:
             with off.step(model if model_for_step else None):
                 loss = fn(x)
-            if sync:
-                off.synchronize()  # backward reads from disk
+                if sync:
+                    # every write lands before the forward ends, so the read-ahead finds each
+                    # original dead and backward reads from disk; a write still running when the
+                    # forward ends is served from its own memory instead (NOTE [Forwarding] in
+                    # tba/scheduler.py), which made bytes_reloaded 0 in some runs
+                    off.synchronize()
         loss.backward()
         losses.append(loss.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
