@@ -224,6 +224,10 @@ RANK = textwrap.dedent(
             kept[k] = kept.get(k, 0) + n
     off.close()
     print(json.dumps({"exact": exact, "kept": kept, "offloaded": offloaded}), flush=True)
+    # Once, under the whole suite, a rank printed this and then did not exit within 60 s: if
+    # it happens again, every thread's stack goes to stderr (the test's output) before then.
+    import faulthandler
+    faulthandler.dump_traceback_later(45, exit=True)
     """
 )
 
