@@ -136,7 +136,9 @@ def choose(
     else:
         left = (lambda: len(seen) < max_sims) if max_sims else (lambda: True)
         pin = lambda a: tuple(fixed.get(i, x) for i, x in enumerate(a))  # noqa: E731
-        starts = sorted({sim(pin(s)) for s in _starts(n)}, key=rank)
+        # in the order _starts gives (a set would follow string hashes, which differ per
+        # process): ties in rank then go the same way in every process
+        starts = sorted(dict.fromkeys(sim(pin(s)) for s in _starts(n)), key=rank)
         for p in starts[:DESCENTS]:
             _descend(p, sim, rank, options, left)
         best = min(seen.values(), key=rank)  # every replay counts, a cut-off descent's too
@@ -156,9 +158,10 @@ def _starts(n: int) -> list[list[str]]:
     return out
 
 
-def _descend(p: Prediction, sim, rank, options, left) -> Prediction:
+def _descend(p: Prediction, sim, rank, options, left) -> None:
     """Change one block at a time, taking the best change, while it improves ``rank`` and
-    ``left()`` allows more replays."""
+    ``left()`` allows more replays (every replay lands in ``sim``'s cache, where the caller
+    takes the best)."""
     while left():
         moves = [
             sim(p.actions[:i] + (a,) + p.actions[i + 1 :])
@@ -167,9 +170,8 @@ def _descend(p: Prediction, sim, rank, options, left) -> Prediction:
             if a != p.actions[i]
         ]
         if not moves:
-            return p
+            return
         nxt = min(moves, key=rank)
         if rank(nxt) >= rank(p):
-            return p
+            return
         p = nxt
-    return p

@@ -165,8 +165,9 @@ class Packer:
     def _capture(self, t, storage, ekey, whole, nbytes, stride, st: StepState, sref: StorageRef):
         """A new entry whose bytes are captured (or being captured), or the reason to keep."""
         writer = self.writer
-        if writer.refused_step == st.index:
-            return writer.refused_reason
+        refusing = writer.refusing(st)
+        if refusing is not None:
+            return refusing
         io = self.io
         adapter, staging = io.device(t.device)
         batch = extent = None

@@ -37,6 +37,10 @@ class Writer:
         self.refused_step = -1  # the step in which the disk refused (space, or a failed write)
         self.refused_reason = "disk_full"
 
+    def refusing(self, st: StepState) -> str | None:
+        """The reason the disk refused earlier in ``st`` (kept for the rest of it), or None."""
+        return self.refused_reason if self.refused_step == st.index else None
+
     def refused(self, st: StepState) -> str:
         """The backend refused an extent: returns the kept reason it names (tba/reasons.py)."""
         backend = self.io.backend
