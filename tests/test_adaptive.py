@@ -22,6 +22,8 @@ from tba.depth import FLOOR_AGE, DepthController
 from tba.pacer import Pacer
 from tba.testing import GPT, GPTConfig, random_batch
 
+from ._core import FakeClock
+
 MIB = 1 << 20
 
 MB = 10**6
@@ -95,7 +97,7 @@ def records(n, fwd, bwd, nbytes, stall=0.0):
 
 
 def test_controller_keeps_more_when_the_disk_is_slow(caplog):
-    ctl = KeepController("auto", prefetch_bytes=128 << 20)
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, pacer=Pacer(FakeClock()))
     assert ctl.k == 1 and ctl.decision["mode"] == "auto"
     recs = records(6, 0.1, 0.2, 100 * MB)
     with caplog.at_level(logging.INFO, logger="tba"):
@@ -108,7 +110,7 @@ def test_controller_keeps_more_when_the_disk_is_slow(caplog):
 
 
 def test_controller_waits_between_decisions_unless_something_changes():
-    ctl = KeepController("auto", prefetch_bytes=128 << 20, every=5)
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, every=5, pacer=Pacer(FakeClock()))
     recs = records(6, 0.1, 0.2, 100 * MB)
     ctl.observe(1, recs, 1e12, 1e12, lambda k: 6 - k, 6)
     decided = dict(ctl.decision)
@@ -357,7 +359,11 @@ def drive(keeper, depth, steps, slow_step=2, saved=LLAMA_HEAD + 6 * LLAMA_BLOCK)
 def test_a_stall_does_not_park_adaptive_keep_in_keep_all():
     # Before the fix: the stalled step made K=6, which moves no bytes and measures nothing, so
     # the stale slow bandwidth kept K=6 (no memory saved) for as long as nothing else changed.
-    ks = drive(KeepController("auto", 128 << 20), DepthController(128 << 20), steps=30)
+    ks = drive(
+        KeepController("auto", 128 << 20, pacer=Pacer(FakeClock())),
+        DepthController(128 << 20),
+        steps=30,
+    )
     assert ks[0] == 0  # a fast disk: everything offloaded
     assert ks[1] > 0  # the slow, stalled step made it keep more ...
     assert max(ks) < 6  # ... but never every block, so the next step measures the disk again

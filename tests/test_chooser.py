@@ -9,6 +9,9 @@ import torch
 
 from tba.autopolicy import PolicyController
 from tba.chooser import SEARCH_SIMS, Cost, choose, group_actions, predict
+from tba.pacer import Pacer
+
+from ._core import FakeClock
 
 MiB = 1 << 20
 
@@ -129,7 +132,8 @@ def records(actions, stall=0.0, hidden=140 * MiB):
 
 
 def test_controller_decides_like_adaptive_keep():
-    ctl = PolicyController("auto", None, every=5)
+    # decisions cost a fixed 1 ms (a real clock on a loaded host paces step 3's decision away)
+    ctl = PolicyController("auto", None, every=5, pacer=Pacer(FakeClock()))
     assert ctl.assignment() is None and ctl.default_action() is None  # today's until measured
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
@@ -147,7 +151,7 @@ def test_controller_decides_like_adaptive_keep():
 
 
 def test_controller_forced_blocks_and_fixed_policies():
-    ctl = PolicyController("auto", ((0, "keep"),), every=5)
+    ctl = PolicyController("auto", ((0, "keep"),), every=5, pacer=Pacer(FakeClock()))
     ctl.observe(1, records(["keep"] + ["offload"] * 5), 20e6, 20e6, lambda s: s // 3, 64 * MiB)
     assert ctl.assignment()[0] == "keep" and ctl.decision["actions"][0] == "keep"
     for policy, action in (("recompute", "recompute"), ("keep", "keep"), ("offload", None)):
