@@ -318,6 +318,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--prefetch", type=_plan_size, metavar="SIZE", help="TBA_PREFETCH_BYTES")
     k.add_argument("--staging", type=_plan_size, metavar="SIZE", help="TBA_STAGING_BYTES")
     k.add_argument("--min-offload", type=_plan_size, metavar="SIZE", help="TBA_MIN_OFFLOAD_BYTES")
+    k.add_argument(
+        "--budget",
+        metavar="SIZE|FRACTION",
+        help="TBA_MEMORY_BUDGET for the mix: a size, or a share of the step's saved bytes "
+        "(default: --device-mem, else 0.35)",
+    )
     o = p.add_argument_group("mode")
     o.add_argument("--trace", metavar="FILE", help="a TBA_TRACE file of a real run")
     o.add_argument(
@@ -326,6 +332,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="steps simulated back to back, the last shown (default: until steady)",
     )
     o.add_argument("--projections", action="store_true", help="the 7B Llama on H100 tables")
+    o.add_argument(
+        "--projections-mix",
+        action="store_true",
+        help="the chooser's mix for the 7B Llama on H100 with 1, 2 and 4 drives (minutes)",
+    )
     o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_plan)
 

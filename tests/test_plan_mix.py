@@ -16,11 +16,10 @@ MiB = 1 << 20
 
 
 def run(capsys, *extra, budget=None, text=False):
-    """`tba plan` on SHAPE; ``budget`` as the parser hands `--budget` over (its text, or None).
+    """`tba plan` on SHAPE, through the command line (``budget``: `--budget`'s text, or None).
     Returns (exit code, the mix from --json or the text, stderr)."""
-    args = cli.build_parser().parse_args([*SHAPE, *extra, *([] if text else ["--json"])])
-    args.budget = budget
-    rc = P.run_cli(args)
+    argv = [*SHAPE, *extra, *([] if budget is None else [f"--budget={budget}"])]
+    rc = cli.main([*argv, *([] if text else ["--json"])])
     out, err = capsys.readouterr()
     if rc == 0 and not text:
         out = json.loads(out)["mix"]
@@ -140,9 +139,7 @@ def test_mix_projections_table(monkeypatch, capsys):
         for n in (1, 2)
     ]
     monkeypatch.setattr("tba.plan.command.mix_projections", lambda: rows)
-    args = cli.build_parser().parse_args(["plan", "--projections"])
-    args.projections_mix = True
-    assert P.run_cli(args) == 0
+    assert cli.main(["plan", "--projections-mix"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("Projections, not measurements")
     for r in rows:

@@ -136,7 +136,7 @@ def run_cli(args: Any) -> int:
     """`tba plan`: 0 done, 2 bad input (the message names the flag)."""
 
     try:
-        if getattr(args, "projections_mix", False):
+        if args.projections_mix:
             rows = mix_projections()
             print(json.dumps(rows, indent=2) if args.json else render_mix_projections(rows))
             return 0
@@ -151,7 +151,7 @@ def run_cli(args: Any) -> int:
         if args.steps is not None and args.steps < 1:
             raise PlanInputError("--steps", "must be 1 or more")
         p = make_plan(w, hw, knobs, steps=args.steps or 0)
-        p["mix"] = _mix(w, hw, knobs, getattr(args, "budget", None))
+        p["mix"] = _mix(w, hw, knobs, args.budget)
     except PlanInputError as e:
         print(f"tba plan: {e}", file=sys.stderr)
         return 2
