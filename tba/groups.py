@@ -23,7 +23,13 @@ unit (``model.blocks[i] = torch.compile(block)``) run eagerly around it and grou
 the blocks run inside a larger compiled region, or compiled code was built before the hooks
 existed, no block hook fires although tensors were packed: tba groups that model by pack-order
 windows from then on, so that ``keep_last`` still means something, and warns once per model
-(unless ``keep_last`` is fixed at 0, where grouping decides nothing).
+when that changes a decision: ``keep_last`` not fixed at 0, or a block action other than the
+keep-last rule (``TBA_POLICY=recompute`` or ``auto``, ``TBA_BLOCK_POLICY``). No block is then
+recomputed (item 6 of NOTE [Block policy]): the step's ``group_policy`` is empty and
+``recomputed_groups`` 0, its tensors are offloaded, and ``auto`` stays ``offload``;
+``TBA_POLICY=keep`` keeps every window. The recompute wrappers of the blocks whose action is
+``recompute`` are still installed each step, so compiled code built in a step that installed
+them (the first) stays valid; traced, they are the plain forward.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ class GroupTracker:
         self.lead_kept = False  # the group before the first block is kept (policy keep)
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
         self.adaptive = False  # keep_last is chosen per step (TBA_KEEP_LAST=auto)
+        self.policy = "offload"  # TBA_POLICY, named when a compiled model loses its blocks
         self._unwrap: list[Callable[[], None]] = []
         self.actions_now: list[str] = []  # this step's action per block
         self._attached: weakref.WeakKeyDictionary[nn.Module, _Attached] = (
@@ -159,6 +166,7 @@ class GroupTracker:
         self.first_kept: int | None = None  # windows: the first kept window
         self.by_model = False
         self.current: _Attached | None = None  # the model whose block hooks count now
+        self.lost_blocks = False  # this step found its model's blocks in a compiled region
 
     def attach(self, model: nn.Module) -> _Attached:
         """Install the block hooks on ``model``, once per model (NOTE [Groups]).
@@ -196,20 +204,33 @@ class GroupTracker:
             actions = self.actions_now = self.actions(n)
             step.kept_groups = actions.count("keep")
             step.group_policy = list(actions)
-            for block, action in zip(rec.blocks, actions):
-                if action == "recompute":
-                    self._unwrap.append(self._wrap(block))
+            self._wrap_recomputed(rec, actions)
             return
         self.n_blocks = 0
         self.actions_now = []
-        if self.keep_last and self.prev_windows is not None:
+        if rec is not None:  # windows: the same wrappers, for compiled code's guards
+            self._wrap_recomputed(rec, self.actions(len(rec.blocks)))
+        if self.lead_kept:  # TBA_POLICY=keep: every window
+            self.first_kept = 0
+            step.kept_groups = self.prev_windows or 1
+        elif self.keep_last and self.prev_windows is not None:
             self.first_kept = max(0, self.prev_windows - self.keep_last)
             step.kept_groups = self.prev_windows - self.first_kept
 
-    def _wrap(self, block: nn.Module) -> Callable[[], None]:
+    def _wrap_recomputed(self, rec: _Attached, actions: list[str]) -> None:
+        """Install the recompute wrapper on each block whose action is recompute; by block,
+        it runs them under checkpoint, in windows (NOTE [Compiled regions]) as they are."""
         if self.recompute is None:
-            raise internal_error("groups", "a recompute action without a Recompute")
-        return self.recompute.install(block, lambda: (self.step, self.stat))
+            if "recompute" in actions:
+                raise internal_error("groups", "a recompute action without a Recompute")
+            return
+        for block, action in zip(rec.blocks, actions):
+            if action == "recompute":
+                self._unwrap.append(self.recompute.install(block, self._where))
+
+    def _where(self) -> tuple[Any, Any]:
+        """The (StepState, GroupStat) a recompute wrapper runs in; (None, None) in windows."""
+        return (self.step, self.stat) if self.by_model else (None, None)
 
     def enter_block(self, i: int, args: Any) -> None:
         self.entered += 1
@@ -277,22 +298,33 @@ class GroupTracker:
     def _no_block_ran(self) -> None:
         """Tensors were saved, but no block hook fired (NOTE [Compiled regions])."""
         rec = self.current
-        rec.windows = True
+        rec.windows = self.lost_blocks = True
         self.by_model = False
         self.n_blocks = 0
         if self.step is not None:
-            self.step.kept_groups = 0
+            self.step.kept_groups = 1 if self.lead_kept else 0  # one window, kept by keep
             self.step.group_policy = []  # no block ran as a block
-        if not (self.keep_last or self.adaptive):
-            return  # nothing is kept by group: windows change no decision
+        by_block = self.policy in ("recompute", "auto") or bool(self.assignment)
+        if not (self.keep_last or self.adaptive or by_block):
+            return  # nothing is kept or recomputed by block: windows change no decision
+        actions = ""
+        if by_block:
+            by_policy = self.policy in ("recompute", "auto")
+            what = f"TBA_POLICY={self.policy}" if by_policy else "TBA_BLOCK_POLICY"
+            instead = "kept (TBA_POLICY=keep)" if self.lead_kept else "offloaded"
+            actions = (
+                f" {what} cannot act on them: no block is recomputed "
+                f"(stats()['recomputed_groups'] is 0) and their saved tensors are {instead}."
+            )
         warnings.warn(
             f"tba: none of the {len(rec.blocks)} blocks of {rec.name} ran its module hooks "
             "during this step, though tensors were saved: they ran inside a torch.compile "
             "region (or compiled code built before tba first saw the model), where tba cannot "
-            "see where a block starts. From now on this model's saved tensors are grouped by "
-            "pack order (TBA_GROUP_BYTES windows) and keep_last counts those windows. To group "
-            "by block, compile each block as a module of its own "
-            "(`model.layers[i] = torch.compile(model.layers[i])`) and leave the model uncompiled.",
+            f"see where a block starts.{actions} From now on this model's saved tensors are "
+            "grouped by pack order (TBA_GROUP_BYTES windows) and keep_last counts those "
+            "windows. To group, keep or recompute by block, compile each block as a module of "
+            "its own (`model.layers[i] = torch.compile(model.layers[i])`; `block.compile()` in "
+            "place does not do) and leave the model uncompiled.",
             UserWarning,
             stacklevel=5,
         )

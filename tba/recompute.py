@@ -32,6 +32,16 @@ How recompute is done, and why it is exact:
    then checkpoint's pack; unpack: checkpoint's) counts what the block saves, once per storage
    per step and parameters excluded, into ``saved_bytes`` (what stays resident without tba)
    and the group's ``hidden_bytes``: what the recompute brings back in backward.
+6. While dynamo traces the wrapper (the block runs inside a compiled region: a whole-model
+   ``torch.compile``, or ``block.compile()`` in place), it calls the plain forward at once and
+   reads nothing of tba, so the graphs are those of the model without tba (with
+   ``fullgraph=True`` too). Such a block is not recomputed: the region saves its tensors
+   itself, and tba sees no block start inside it. tba then warns once naming the fix and
+   groups that model by pack-order windows (NOTE [Compiled regions] in tba/groups.py). The
+   wrappers are still installed every step, so the compiled code's guards on ``forward``
+   hold. Compile each block as a module of its own
+   (``model.layers[i] = torch.compile(model.layers[i])``) and the wrapper runs eagerly around
+   it: the block is recomputed, its recompute running the compiled block again.
 """
 
 from __future__ import annotations
@@ -82,6 +92,8 @@ class Recompute:
         owner = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return inner(*args, **kwargs)  # traced: the plain forward (item 6 of the NOTE)
             step, stat = where()
             if step is None or not torch.is_grad_enabled() or foreign_hooks_innermost():
                 return inner(*args, **kwargs)  # no grad, or someone else's hooks: as it is

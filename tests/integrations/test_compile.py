@@ -1,7 +1,8 @@
 """torch.compile with tba (NOTE [Compiled regions] in tba/groups.py): the same graphs as
 without tba, counted with dynamo's own counters, bit-identical losses and gradients, no
-recompilation from step to step, per-block compiled models grouped by block, and the
-combinations that cannot work refused with tba's message."""
+recompilation from step to step, per-block compiled models grouped by block, block actions
+(TBA_POLICY=recompute, auto, keep) applied where tba sees the blocks and said once where it
+cannot, and the combinations that cannot work refused with tba's message."""
 
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def _graphs() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def _train(make, off=None, model_for_step=True, sync=True, rows=16):
+def _train(make, off=None, model_for_step=True, sync=True, rows=16, stats=None):
     """STEPS steps of a fresh model; ``make(model)`` returns what to call. Returns the losses,
-    gradients, dynamo's (graphs, breaks) after the first and the last step, and the model."""
+    gradients, dynamo's (graphs, breaks) after the first and the last step, and the model;
+    each step's ``off.stats()`` is appended to ``stats`` when given."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -75,6 +77,8 @@ def _train(make, off=None, model_for_step=True, sync=True, rows=16):
                     # tba/scheduler.py), which made bytes_reloaded 0 in some runs
                     off.synchronize()
         loss.backward()
+        if stats is not None:
+            stats.append(off.stats())
         losses.append(loss.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
@@ -181,6 +185,72 @@ def test_blocks_inside_a_compiled_region_warn_once_and_group_by_windows(tmp_path
         loss.backward()
     assert got[2] == ref[2]
     assert _exact(got, ref)
+
+
+def _per_block(model):
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager")
+    return model
+
+
+# (make, whether tba sees the blocks): whole-model compiles put every block inside one region
+COMPILES = {
+    "whole": (lambda m: torch.compile(m, backend="aot_eager"), False),
+    "whole-fullgraph": (lambda m: torch.compile(m, backend="aot_eager", fullgraph=True), False),
+    "per-block": (_per_block, True),
+    "in-place": (_blocks_compiled_in_place, False),
+}
+
+
+@pytest.mark.parametrize("compiled", list(COMPILES))
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_compiled_model_with_block_actions(tmp_path, policy, compiled):
+    # recompute wraps each block's forward for the step (NOTE [Block policy] in
+    # tba/recompute.py). Traced inside a compiled region, the wrapper is the plain forward: the
+    # same graphs, no break, no "marked as skipped" under fullgraph, and tba says once that no
+    # block is recomputed and how to compile so that they are. Per-block compile recomputes.
+    make, by_block = COMPILES[compiled]
+    ref = _train(make)
+    cfg = tba.Config(
+        spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=0, coalesce_bytes=0, policy=policy
+    )
+    steps: list[dict] = []
+    with tba.Offloader(cfg) as off, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _train(make, off, stats=steps)
+    said = [str(w.message) for w in caught if "tba" in str(w.message) or "tba" in w.filename]
+    (first, last), (ref_first, ref_last) = got[2], ref[2]
+    assert first == ref_first and first[1] == 0 and last == first == ref_last
+    assert _exact(got, ref)
+    assert all(st["bytes_offloaded"] > 0 for st in steps)
+    for st in steps:  # each step's stats say what backward recomputed, and no more
+        assert st["recomputed_groups"] == st["group_policy"].count("recompute")
+    if by_block:
+        assert not said
+        if policy == "recompute":
+            for st in steps:
+                assert st["group_policy"] == ["recompute"] * 3 and st["recomputed_groups"] == 3
+                assert st["kept_reasons"]["recompute"] == 3  # each checkpoint's input
+        return
+    assert len(said) == 1, said
+    assert f"TBA_POLICY={policy} cannot act on them: no block is recomputed" in said[0]
+    assert "`model.layers[i] = torch.compile(model.layers[i])`" in said[0]
+    assert all(st["group_policy"] == [] and st["recomputed_groups"] == 0 for st in steps)
+    assert "kept_reasons" not in steps[-1] or "recompute" not in steps[-1]["kept_reasons"]
+    assert "torch.compile" in off.stats()["policy_decision"]["reason"]
+
+
+def test_whole_compiled_model_with_policy_keep_keeps_everything(tmp_path):
+    # keep needs no block boundary: every pack-order window stays in memory, nothing written
+    make = COMPILES["whole"][0]
+    ref = _train(make)
+    cfg = tba.Config(spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=0, policy="keep")
+    steps: list[dict] = []
+    with tba.Offloader(cfg) as off, no_tba_warnings():
+        got = _train(make, off, stats=steps)
+    assert got[2] == ref[2] and got[2][0][1] == 0
+    assert _exact(got, ref)
+    assert all(st["bytes_offloaded"] == 0 and st["kept_reasons"]["group"] > 0 for st in steps)
 
 
 def test_step_inside_compiled_code(off):
