@@ -72,3 +72,58 @@ def test_the_benchmark_names_what_auto_decided_and_predicted():
         "4 keep, 0 offload, 12 recompute (predicted step 0.431 s, decided in 0.27 s)"
     )
     assert bench.decided({"policy": "offload", "keep_last": 3}) == "offload, keep_last 3"
+
+
+RELAY = {
+    "device": "NVIDIA H200",
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+    "dry": False,
+    "model": {"layers": 6, "hidden": 512, "seq": 512},
+    "micro_batches": 4,
+    "micro_batch": 8,
+    "warmup": 2,
+    "rounds": 10,
+    "cpu_threads": 16,
+    "modes": {
+        "plain": {
+            "step_seconds": 0.05,
+            "step_ratio": 1.0,
+            "step_ratio_paired": 1.0,
+            "max_memory_allocated": 1000 << 20,
+            "memory_ratio": 1.0,
+        },
+        "recompute": {
+            "step_seconds": 0.08,
+            "step_ratio": 1.6,
+            "step_ratio_paired": 1.55,
+            "max_memory_allocated": 250 << 20,
+            "memory_ratio": 0.25,
+            "fetch_wait_seconds": 0.001,
+            "update_wait_seconds": 0.02,
+            "update_seconds": 0.03,
+        },
+    },
+    "depths": {
+        "plain": {"4": 700 << 20, "16": 2800 << 20, "spread": 3.0},
+        "relay, ssd stash": {"4": 200 << 20, "16": 202 << 20, "spread": 0.01},
+    },
+    "seconds": 41.5,
+}
+
+
+def test_the_summary_has_the_relay_benchmark(tmp_path, monkeypatch, capsys):
+    import json
+
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "relay_bench", "rc": 0, "seconds": 42, "timed_out": false}\n'
+    )
+    (tmp_path / "relay_bench.json").write_text(json.dumps(RELAY))
+    monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "42"])
+    assert summarize.main() == 0
+    text = (tmp_path / "summary.txt").read_text()
+    assert "relay_bench     ok" in text
+    assert "bench_relay_gpu:\n  NVIDIA H200, torch 2.11.0+cu130 (CUDA 13.0), 16 CPU threads" in text
+    assert "  recompute" in text and "1.60" in text and "250.0" in text
+    assert "relay, ssd stash: 4: 200.0, 16: 202.0 (max/min - 1 = 1.0%)" in text
+    assert json.loads((tmp_path / "check.json").read_text())["relay_bench"]["rounds"] == 10

@@ -5,8 +5,10 @@
 #      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
 #   2. pytest -m gpu: every CUDA and kvikio test (kvikio's skip when it does not import);
 #   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
-#   4. tba doctor --json;
-#   5. the CPU suite on this machine's torch (not the integrations: their frameworks are not
+#   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
+#      plain gradient accumulation, W1's blocks; 120 s at most);
+#   5. tba doctor --json;
+#   6. the CPU suite on this machine's torch (not the integrations: their frameworks are not
 #      installed here), with the time left of the 20 minutes, in parallel when pytest-xdist
 #      is installed.
 # Writes $OUT_DIR/check.json (every step's status, seconds and result) and
@@ -14,7 +16,7 @@
 #
 #   benchmarks/gpu/check.sh            # on the GPU machine (make gpu-check)
 #   benchmarks/gpu/check.sh --dry      # anywhere, < 1 min: collects the GPU tests and prints
-#                                      # why each skips, runs the benchmark on a tiny model
+#                                      # why each skips, runs the benchmarks on tiny models
 # Environment: PYTHON (default python3), OUT_DIR (default gpu-check-out), TBA_SPILL_DIR (the
 # spill dir for tests and benchmark; default: a temporary dir), BUDGET_S (default 1200).
 set -uo pipefail
@@ -60,6 +62,8 @@ if [ $DRY -eq 1 ]; then
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
     run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    run relay_bench 120 "$PY" benchmarks/gpu/bench_relay_gpu.py --dry \
+        --json "$OUT_DIR/relay_bench.json"
     run doctor 60 "$PY" -m tba.cli doctor --json --probe-bytes 16MiB
 else
     run install 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
@@ -80,14 +84,19 @@ else
         -p no:cacheprovider tests
     run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
         --json "$OUT_DIR/bench.json"
+    run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
+        --json "$OUT_DIR/relay_bench.json"
     run doctor 90 "$PY" -m tba.cli doctor --json
     # The whole CPU suite, one line per test (-v: a suite cut short by the time limit still
     # names what failed so far) and failures again at the end (-rfE); spread over
-    # pytest-xdist's workers, a file per worker, when the image has it (the GPU image does).
+    # pytest-xdist's workers when the image has it (the GPU image does). --dist load, not
+    # loadfile: one file with 100+ slow tests on one worker made the suite outlast its time on
+    # the GPU host. No test needs its file's tests on one worker: the module-scoped fixtures
+    # (tests/sidecar) make their own temporary dirs and ports, one set per worker.
     XDIST=()
     if "$PY" -c "import xdist" 2>/dev/null; then
         n=$(( $(nproc) * 3 / 4 )); [ $n -gt 12 ] && n=12
-        [ $n -ge 2 ] && XDIST=(-n "$n" --dist loadfile -p no:benchmark)
+        [ $n -ge 2 ] && XDIST=(-n "$n" --dist load -p no:benchmark)
     fi
     run cpu_suite "$(( $(left) > 60 ? $(left) - 30 : 30 ))" "$PY" -m pytest -v -rfE \
         -p no:cacheprovider "${XDIST[@]}" -m "not gpu and not integration" \

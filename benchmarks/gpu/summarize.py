@@ -63,9 +63,10 @@ def main() -> int:
         path = os.path.join(out_dir, f"{name}.txt")
         if os.path.exists(path):
             report[name] = pytest_result(read(path))
-    bench = os.path.join(out_dir, "bench.json")
-    if os.path.exists(bench):
-        report["bench"] = json.loads(read(bench))
+    for key in ("bench", "relay_bench"):
+        path = os.path.join(out_dir, f"{key}.json")
+        if os.path.exists(path):
+            report[key] = json.loads(read(path))
     doctor = os.path.join(out_dir, "doctor.txt")
     if os.path.exists(doctor):
         try:
@@ -96,6 +97,13 @@ def main() -> int:
         from bench_gpu import summary
 
         lines += ["bench_gpu:", *("  " + ln for ln in summary(report["bench"]).splitlines())]
+    if "relay_bench" in report:
+        from bench_relay_gpu import summary as relay_summary
+
+        lines += [
+            "bench_relay_gpu:",
+            *("  " + ln for ln in relay_summary(report["relay_bench"]).splitlines()),
+        ]
     doc = report.get("doctor")
     if isinstance(doc, dict) and "usable" in doc:
         backend = doc.get("backend")

@@ -71,8 +71,9 @@ class RelayConfig:
     ``stats()["update_wait_seconds"]``."""
 
     device: str = "cpu"
-    """Where layers compute: ``"cpu"`` (the only one tested) or a CUDA device such as
-    ``"cuda:0"``; the EPS stays in host memory or on the SSD either way."""
+    """Where layers compute: ``"cpu"`` or a CUDA device such as ``"cuda:0"`` (its tests,
+    tests/relay/test_gpu.py, run in the GPU check); the EPS stays in host memory or on the SSD
+    either way."""
 
     preserve_rng: bool = True
     """With ``recompute``: save the RNG state before each layer's forward on each micro-batch and

@@ -25,12 +25,14 @@ import torch.nn as nn
 
 from ._errors import RelayConfigError
 from ._layers import Layers, ParamCheck, build
-from ._layout import FlatLayout, alloc
+from ._layout import FlatLayout, alloc, tensor_align
 from ._meter import Meter
 
 __all__ = ["EPS", "Fetched", "HostEPS", "LayerEntry", "empty_like_param"]
 
 log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -70,6 +72,12 @@ class Fetched:
             self._buf = buf if buf.device == self._device else buf.to(self._device)
         return self._buf
 
+    def drop_device_copy(self) -> None:
+        """The layer's compute is done: free the device copy of its weights now, not when its
+        update ends (the update reads host memory only). No-op for a buffer in host memory."""
+        if self._buf is not None and self._buf.device.type != "cpu":
+            self._buf = None
+
     def release(self) -> None:
         """Let go of the buffers (the update keeps ``host`` alive as long as it needs it)."""
         if self._held:
@@ -104,6 +112,7 @@ class EPS:
     ):
         self.device = device
         self.meter = meter
+        self.tensor_align = tensor_align(device)
         self.modules: list[nn.Module] = []
         self.entries: list[LayerEntry] = []
         check = ParamCheck()
@@ -112,7 +121,8 @@ class EPS:
             named = check.params(i, module)
             values = [p.detach() for _, p in named]
             trainable = [j for j, (_, p) in enumerate(named) if p.requires_grad]
-            entry = LayerEntry([n for n, _ in named], FlatLayout.of(values), trainable)
+            layout = FlatLayout.of(values, align=self.tensor_align)
+            entry = LayerEntry([n for n, _ in named], layout, trainable)
             self._adopt(i, entry, values, factory)
             for _, p in named:
                 p.data = empty_like_param(p)
@@ -191,27 +201,57 @@ class HostEPS(EPS):
     Each fetch copies the layer's weights into a fresh buffer on the compute device (on a CPU
     host, host memory: the copy is what a GPU host would send over the bus, and what the
     traffic counters count). With workers (RelayConfig.workers), copies run on a fetch worker.
+
+    On the CPU the modules' own tensors become the masters (no copy). On a CUDA device (or
+    with ``flat_on_cpu``, for tests) each layer's weights live in one buffer of its ``FlatLayout``,
+    page-locked on a CUDA host, and the masters are views of it: a fetch is then one DMA copy
+    of the whole layer instead of one pageable copy per tensor. Copies are synchronous
+    (``copy_`` without ``non_blocking``): when a fetch's future is done its bytes are on the
+    device, and the host buffer may change (the layer's next update) without a stream wait.
     """
 
     tier = "host"
+    flat_on_cpu = False
 
     def __init__(self, layers, factory, device, meter, workers: bool):
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="tba-relay-fetch") if workers else None
         )
         self.async_fetch = workers
+        self._flat = device.type != "cpu" or self.flat_on_cpu
+        self._pin = device.type == "cuda"
         self._values: list[list[torch.Tensor]] = []
+        self._hosts: list[torch.Tensor | None] = []  # with flat: each layer's host buffer
         super().__init__(layers, factory, device, meter)
 
     def _adopt(self, index, entry, values, factory):
-        self._values.append(values)  # the modules' own tensors become the masters: no copy
+        host = None
+        if self._flat:
+            host = self._host_buffer(entry.layout.nbytes)
+            entry.layout.fill(host, values)
+            values = entry.layout.views(host)
+        self._hosts.append(host)
+        self._values.append(values)  # without flat: the modules' own tensors, no copy
         entry.masters = [nn.Parameter(values[j]) for j in entry.trainable]
         self.make_optimizer(index, entry, factory)
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._pin:
+            try:
+                return alloc(nbytes, _CPU, pin=True)
+            except RuntimeError as e:  # page-locked memory refused: pageable copies are slower
+                log.warning("tba.relay: page-locked host memory refused (%s); using pageable", e)
+                self._pin = False
+        return alloc(nbytes, _CPU)
 
     def _copy(self, index: int) -> torch.Tensor:
         entry = self.entries[index]
         buf = alloc(entry.layout.nbytes, self.device)
-        entry.layout.fill(buf, self._values[index])
+        host = self._hosts[index]
+        if host is not None:
+            buf.copy_(host)
+        else:
+            entry.layout.fill(buf, self._values[index])
         self.meter.add(weight_bytes_moved=entry.layout.data_bytes, fetches=1)
         return buf
 

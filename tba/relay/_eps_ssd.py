@@ -88,7 +88,7 @@ class SSDEPS(EPS):
 
     # -- building ------------------------------------------------------------------------------
     def _adopt(self, index, entry, values, factory):
-        layout = FlatLayout.of(values, self._align)
+        layout = FlatLayout.of(values, self._align, self.tensor_align)
         entry.layout = layout
         buf = alloc(layout.nbytes, _CPU, self._align)
         layout.fill(buf, values)

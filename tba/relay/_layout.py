@@ -13,10 +13,20 @@ import torch
 
 from .._memory import PAGE, align_up, aligned_empty
 
-__all__ = ["FlatLayout", "TENSOR_ALIGN", "alloc"]
+__all__ = ["DEVICE_TENSOR_ALIGN", "FlatLayout", "TENSOR_ALIGN", "alloc", "tensor_align"]
 
 # Offset of each tensor inside a buffer: a cache line, and a multiple of every dtype's size.
 TENSOR_ALIGN = 64
+# On a CUDA device: the caching allocator's own granule, so that a weight bound as a view of a
+# fetched buffer starts as aligned as the same weight allocated on its own. cuBLASLt picks its
+# kernel by the operands' alignment (up to 256 bytes): at 64 a layer could run other kernels,
+# with another summation order, than the same layer in plain training.
+DEVICE_TENSOR_ALIGN = 512
+
+
+def tensor_align(device: torch.device) -> int:
+    """The alignment of each tensor inside the buffers that layers on ``device`` compute with."""
+    return TENSOR_ALIGN if device.type == "cpu" else DEVICE_TENSOR_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +41,12 @@ class FlatLayout:
     nbytes: int
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], io_align: int = PAGE) -> FlatLayout:
+    def of(
+        cls, tensors: Sequence[torch.Tensor], io_align: int = PAGE, align: int = TENSOR_ALIGN
+    ) -> FlatLayout:
         offsets, sizes, end = [], [], 0
         for t in tensors:
-            end = align_up(end, TENSOR_ALIGN)
+            end = align_up(end, align)
             offsets.append(end)
             sizes.append(t.numel() * t.element_size())
             end += sizes[-1]
@@ -43,7 +55,7 @@ class FlatLayout:
             dtypes=tuple(t.dtype for t in tensors),
             offsets=tuple(offsets),
             sizes=tuple(sizes),
-            nbytes=align_up(max(end, 1), max(io_align, TENSOR_ALIGN)),
+            nbytes=align_up(max(end, 1), max(io_align, align)),
         )
 
     @property
@@ -69,9 +81,10 @@ class FlatLayout:
         )
 
 
-def alloc(nbytes: int, device: torch.device, align: int = PAGE) -> torch.Tensor:
+def alloc(nbytes: int, device: torch.device, align: int = PAGE, pin: bool = False) -> torch.Tensor:
     """A flat uint8 buffer: page-aligned host memory (its own mapping from 1 MiB, returned to
-    the kernel when it dies; see tba._memory.aligned_empty) or device memory."""
+    the kernel when it dies; see tba._memory.aligned_empty; page-locked with ``pin``) or device
+    memory."""
     if device.type == "cpu":
-        return aligned_empty(nbytes, align)
+        return aligned_empty(nbytes, align, pin=pin)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)

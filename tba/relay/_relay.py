@@ -319,6 +319,7 @@ class Relay:
                 self._tokens.release(i)
             layer_grads = self._slots[i].take_grads()
             self._unbind(i)
+            fetched.drop_device_copy()
             self._updater_submitted += 1
             self._in_use.remove(fetched)
             self._updater.submit(i, layer_grads, fetched)
