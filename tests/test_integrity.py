@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import logging
 import os
 import shutil
@@ -14,6 +15,8 @@ import threading
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 import tba
 
@@ -58,12 +61,18 @@ def gate(real):
     return call, ev
 
 
-def inplace_case(off, numel, settle_in_forward):
-    """``loss`` saves ``y = exp(x)``; ``y`` is edited in place and dropped before backward."""
+def inplace_case(off, numel, settle_in_forward, strided=False):
+    """``loss`` saves ``y = exp(x)``; ``y`` is edited in place and dropped before backward.
+    ``strided``: ``y`` is instead a non-dense view spanning a quarter of an 8x larger storage,
+    which tba captures through a staging copy (neither whole nor dense: tba/handle.py
+    ``layout``), never from the source's own memory."""
     w = torch.randn(numel, requires_grad=True)
-    x = torch.randn(numel)
+    x = torch.randn(8 * numel if strided else numel)
     with off.step():
         y = x.exp()
+        if strided:  # the first n/8 rows of (n/2, 16), every other column: n elements
+            y = y.view(-1, 16)[: numel // 8, ::2]
+            w = w.view(-1, 8)
         loss = (y * w).sum()
         if settle_in_forward:
             off.synchronize()  # written before the forward ends: prefetch reads it from disk
@@ -103,16 +112,21 @@ def test_finding1_edit_after_a_write_the_prefetcher_waited_for_raises(offloaders
 
 
 @pytest.mark.parametrize(
-    "timing,kw,numel",
+    "timing,kw,numel,strided",
     [
-        ("written then dropped", {"checksum": "off", "coalesce_bytes": 0}, MiB // 4),
-        ("checksum staging", {"checksum": "crc32", "coalesce_bytes": 0}, MiB // 4),
-        ("small coalesced", {"checksum": "off"}, 16384),
+        ("written then dropped", {"checksum": "off", "coalesce_bytes": 0}, MiB // 4, False),
+        # checksums keep direct capture (the digest covers the source's own bytes)
+        ("checksummed direct capture", {"checksum": "crc32", "coalesce_bytes": 0}, MiB // 4, False),
+        # a non-dense view cannot be written from its own memory: copied into staging first
+        ("staging copy", {"checksum": "crc32", "coalesce_bytes": 0}, MiB // 4, True),
+        ("small coalesced", {"checksum": "off"}, 16384, False),
     ],
 )
-def test_finding2_edit_of_a_dropped_tensor_raises_like_stock(offloaders, timing, kw, numel):
+def test_finding2_edit_of_a_dropped_tensor_raises_like_stock(
+    offloaders, timing, kw, numel, strided
+):
     off = offloaders(**kw)
-    loss = inplace_case(off, numel, settle_in_forward=True)
+    loss = inplace_case(off, numel, settle_in_forward=True, strided=strided)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -163,6 +177,61 @@ def test_finding7_a_refused_batch_is_counted_kept_not_offloaded(offloaders):
     ends = st["tensors_offloaded"] + st["tensors_kept"] + st["dedup_hits"]
     assert ends + st["recomputed_tensors"] == st["packs"], st
     assert st["kept_reasons"].get("quota", 0) >= 8, st["kept_reasons"]
+
+
+def scrape(path):
+    """The Prometheus samples in the multiprocess files of ``path``, as the sidecar reads them."""
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=path)
+    return [(s.name, dict(s.labels), s.value) for fam in reg.collect() for s in fam.samples]
+
+
+def metric(samples, name, **labels):
+    return sum(v for n, lab, v in samples if n == name and labels.items() <= lab.items())
+
+
+def test_finding7_a_refused_batch_is_kept_in_metrics_and_group_records(offloaders, tmp_path):
+    """One tensor written, then a coalesced batch the quota refuses: the batch's members are
+    kept (quota) in stats(), in the Prometheus counters and in the group record that feeds
+    adaptive keep and the trace; the bytes written to the device cover the bytes offloaded."""
+    mdir, trace = str(tmp_path / "metrics"), str(tmp_path / "trace.jsonl")
+    off = offloaders(
+        coalesce_bytes="1MiB", max_disk_bytes="1536KiB", metrics_dir=mdir, rank=7, trace=trace
+    )
+    w1, x1 = torch.randn(MiB // 4, requires_grad=True), torch.randn(MiB // 4)
+    ws = [torch.randn(MiB // 32, requires_grad=True) for _ in range(8)]
+    xs = [torch.randn(MiB // 32) for _ in range(8)]
+    with off.step():
+        loss = (x1.exp() * w1).sum()  # 1 MiB alone: written, within the quota
+        off.synchronize()
+        # 8 x 128 KiB: one 1 MiB batch, which no longer fits in the 1.5 MiB quota
+        loss = loss + sum((x.exp() * w).sum() for x, w in zip(xs, ws))
+        off.synchronize()
+    loss.backward()
+    assert torch.equal(w1.grad, x1.exp())
+    assert all(torch.equal(w.grad, x.exp()) for w, x in zip(ws, xs))
+    st = off.stats()
+    written = off.backend.usage()["bytes_written"]
+    assert (st["tensors_offloaded"], st["bytes_offloaded"]) == (1, MiB), st
+    assert st["kept_reasons"] == {"quota": 8}, st["kept_reasons"]
+    assert written >= st["bytes_offloaded"]
+    off.close()  # writes the step's trace records
+
+    samples = scrape(mdir)
+    assert metric(samples, "tba_tensors_offloaded_total", rank="7") == 1
+    assert metric(samples, "tba_bytes_offloaded_total", rank="7") == MiB
+    assert metric(samples, "tba_tensors_kept_total", rank="7", reason="quota") == 8
+    assert metric(samples, "tba_tensors_kept_total", rank="7") == 8
+    device_written = metric(samples, "tba_device_bytes_written_total", rank="7")
+    assert device_written == written >= MiB
+
+    with open(trace, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    groups = [r for r in records if r["type"] == "group"]
+    assert sum(g["offloaded_bytes"] for g in groups) == MiB, groups
+    assert sum(g["kept_bytes"] for g in groups) == 8 * (MiB // 8), groups  # the batch
+    assert all(g["offloaded_bytes"] + g["kept_bytes"] == g["packed_bytes"] for g in groups)
+    assert [r["bytes_offloaded"] for r in records if r["type"] == "step"] == [MiB]
 
 
 def test_every_saved_tensor_is_counted_once_and_written_bytes_cover_offloaded(offloaders):
