@@ -110,9 +110,10 @@ def measure(d: Run, backend) -> None:
         for _ in range(count):
             e = backend.allocate(extent)
             if e is None:
+                why = backend.refusal_detail or f"quota or free space: {backend.usage()}"
                 raise _ProbeFailed(
-                    f"could not allocate {format_size(extent)} for the probe (quota or free "
-                    f"space): {backend.usage()}"
+                    f"could not allocate {format_size(extent)} for the probe ({backend.refusal}): "
+                    f"{why}"
                 )
             extents.append(e)
         tensors = [aligned_empty(extent, align) for _ in range(nbufs)]

@@ -21,7 +21,10 @@ NOTE [Slabs]
    "node_quota", or, from the errno of a failed statvfs, open, fallocate or node ledger
    update, ``reasons.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
    "permission", "read_only" or "io_error"; ``refusal_detail`` says what refused, with the
-   numbers or the errno, and the fix.
+   numbers or the errno, and the fix. A refusal is logged here at debug level only: the one
+   warning a user sees per cause is the caller's (the offloader's Writer.stop in tba/write.py,
+   once per reason, quoting ``refusal_detail``; the relay raises CapacityError). A warning
+   here too said the same thing twice, and again at every refused growth.
 6. Giving back (NOTE [Node quota] 6): when a free empties a slab, and once a second from the
    ``tba-node-quota`` thread, a slab set holding empty slabs asks the ledger how much it holds
    over its share while a rank below its share wants space, and closes that much of its empty
@@ -249,7 +252,7 @@ class SlabSet:
             self.refused_error += 1
             code = e.errno or errno.EIO
             err = StorageError("statvfs", self.dir_path, 0, 0, code, hint_for(code))
-            return self._refuse(kept_reason_for(code), str(err), logging.WARNING)
+            return self._refuse(kept_reason_for(code), str(err))
         if quota_room is not None and quota_room < need:
             self.refused_quota += 1
             return self._refuse(
@@ -300,7 +303,7 @@ class SlabSet:
         except StorageError as e:
             self.refused_error += 1
             self._unreserve()
-            return self._refuse(kept_reason_for(e.errno), str(e), logging.WARNING)
+            return self._refuse(kept_reason_for(e.errno), str(e))
         try:
             try:
                 fallocate(fd, 0, size)
@@ -317,7 +320,7 @@ class SlabSet:
                 self.refused_space += 1
                 return self._refuse("disk_full", str(err))
             self.refused_error += 1
-            return self._refuse(kept_reason_for(code), str(err), logging.WARNING)
+            return self._refuse(kept_reason_for(code), str(err))
         slab = Slab(index, fd, size, ExtentAllocator(size, a), display)
         self.slabs[index] = slab
         self.reserved += size
@@ -327,11 +330,12 @@ class SlabSet:
         log.debug("tba.storage: new slab %s of %d bytes", display, size)
         return slab
 
-    def _refuse(self, reason: str, detail: str, level: int = logging.DEBUG) -> None:
-        """Record why growth was refused (NOTE [Slabs] 5); returns None for ``_grow``."""
+    def _refuse(self, reason: str, detail: str) -> None:
+        """Record why growth was refused (NOTE [Slabs] 5: logged at debug level, the caller
+        warns); returns None for ``_grow``."""
         self.last_refusal = reason
         self.refusal_detail = detail
-        log.log(level, "tba.storage: no new slab (%s): %s", reason, detail)
+        log.debug("tba.storage: no new slab (%s): %s", reason, detail)
         return None
 
     def _unreserve(self) -> None:

@@ -216,7 +216,10 @@ class SpillDir:
         try:
             os.rmdir(self.name, dir_fd=self._root_fd)
         except OSError as e:
-            log.warning("tba.storage: could not remove %s: %s", self.path, os.strerror(e.errno))
+            # ENOENT: removed from outside while tba ran (rm -rf of TBA_SPILL_DIR): nothing is
+            # left behind, and a refusal it caused has had its one warning (NOTE [Slabs] 5).
+            level = logging.DEBUG if e.errno == errno.ENOENT else logging.WARNING
+            log.log(level, "tba.storage: could not remove %s: %s", self.path, os.strerror(e.errno))
         finally:
             with _ours_lock:
                 _ours.discard((*self._root_key, self.name))

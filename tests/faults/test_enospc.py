@@ -13,6 +13,7 @@ from .util import (
     grads,
     make_batch,
     make_model,
+    tba_warnings,
     train_step,
     warnings_text,
 )
@@ -37,6 +38,7 @@ def test_fallocate_refused_by_the_kernel_mid_step(loop_ext4, offloaders, backend
     text = warnings_text(caplog)
     assert "(disk_full)" in text and "fallocate" in text and "ENOSPC" in text, text
     off.close()
+    assert len(tba_warnings(caplog)) == 1, tba_warnings(caplog)  # one cause, two steps
     fs.assert_no_bytes_left(baseline)
 
 
@@ -67,5 +69,6 @@ def test_disk_filled_by_another_writer_after_the_slabs_exist(
     assert set(bigger["kept_reasons"]) == {"disk_full"}, bigger["kept_reasons"]
     assert "(disk_full)" in warnings_text(caplog)
     off.close()
+    assert len(tba_warnings(caplog)) == 1, tba_warnings(caplog)
     fs.remove_hog()
     fs.assert_no_bytes_left(baseline)

@@ -118,5 +118,7 @@ def test_spill_dir_made_unwritable_under_an_unprivileged_uid(spill_fs, tmp_path)
         assert set(blocked["kept_reasons"]) == {"permission"}, (mode, blocked)
     text = "\n".join(m for _, m in res["messages"])
     assert "(permission)" in text and "EACCES" in text and "TBA_SPILL_DIR" in text, text
+    warned = [m for lvl, m in res["messages"] if lvl == "WARNING"]
+    assert len(warned) == 1, warned  # one cause (two chmods, two steps): one warning
     assert not [m for lvl, m in res["messages"] if lvl in ("ERROR", "CRITICAL")]
     spill_fs.assert_no_bytes_left(baseline)

@@ -11,6 +11,7 @@ ever shut down or remounted; the fixture checks that it is not the root filesyst
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import struct
@@ -313,3 +314,12 @@ def train_step(off: tba.Offloader, model: nn.Module, x: torch.Tensor) -> dict:
 
 def warnings_text(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("tba"))
+
+
+def tba_warnings(caplog) -> list[str]:
+    """tba's WARNING records: one per cause (issue 15 item 3), not one per layer or step."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("tba") and r.levelno == logging.WARNING
+    ]
