@@ -8,10 +8,19 @@ of at most 8 KiB, 100 header lines, bodies of at most 64 KiB (413), no ``Transfe
 (501); an idle connection is closed after ``idle_timeout`` seconds.
 
 NOTE [Malformed requests]
-1. Every request the server cannot take gets an error status (4xx; 5xx only for 501 and 505,
-   which name what is unsupported), ``Connection: close``, and one JSON log line
-   (``http_bad_request``: status, reason, peer, the request line as far as it came). Nothing
-   that comes off the wire reaches ``int()``, ``urlsplit`` or a route before it is checked.
+1. Every request the server cannot take gets an error status, ``Connection: close``, and one
+   JSON log line (``http_bad_request``, at warning level: status, reason, peer, the request
+   line as far as it came). Nothing that comes off the wire reaches ``int()``, ``urlsplit`` or
+   a route before it is checked. A malformed request (syntax, framing, size, time) is a 4xx.
+   Two kinds of well-formed request, for what this server does not implement, get the 5xx
+   that the RFCs name for them instead, on purpose: a body sent with ``Transfer-Encoding``
+   (chunked or any other coding) is a 501 Not Implemented (RFC 9112 6.1: a transfer coding the
+   server does not implement; no route takes a body, so only ``Content-Length`` bodies are
+   read, and ignored), and a request line naming another major version (``HTTP/2.0``) is a 505
+   HTTP Version Not Supported (RFC 9110 15.6.6; HTTP/2 with prior knowledge, whose preface
+   starts ``PRI * HTTP/2.0``, gets the same 505). A 4xx would tell the client that its request
+   is wrong where it is only unsupported here. Neither is a fault of the server: both are
+   logged like the 4xx, never as errors, and the server goes on answering.
 2. Strict parsing, as RFC 9112 allows: every line ends in CRLF (a bare LF is a 400, at once,
    not a wait for a CRLF that never comes); the method and header names are tokens; the target
    is visible ASCII; header values hold no control characters but TAB; ``Content-Length`` is

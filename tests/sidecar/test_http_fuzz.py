@@ -116,6 +116,7 @@ NAMED = [
     ("absolute target", b"GET http://x/healthz HTTP/1.1\r\n\r\n", 200),
     ("HTTP/2.0", b"GET / HTTP/2.0\r\n\r\n", 505),
     ("HTTP/9.9", b"GET / HTTP/9.9\r\n\r\n", 505),
+    ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),  # NOTE [Malformed requests] 1
     ("lower-case version", b"GET / http/1.1\r\n\r\n", 400),
     ("version suffix", b"GET / HTTP/1.1x\r\n\r\n", 400),
     ("bare LF request line", b"GET /healthz HTTP/1.1\n\n", 400),
