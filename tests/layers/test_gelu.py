@@ -198,7 +198,10 @@ def test_underflowed_tail_and_specials(form):
     assert curve[3]  # -5 is on the curve for every kernel seen
     err = (g[curve].double() - ref(x[curve])).abs()
     assert (err <= kernel_bound(form, x)[curve]).all(), err
-    assert g[4] == 0.5 and g[5] == 0.5  # y == 0 on the right branch is x == 0
+    # y == 0 on the right branch is x == 0, g' = 0.5 read off the tables: exactly 0.5 with
+    # torch 2.13 on the CI CPU, 0.5 - 3e-8 with torch 2.11 on an H200 host's CPU (its float32
+    # passes round differently), so within the tables' 3e-7 as everywhere away from the minimum
+    assert (g[4:6] - 0.5).abs().max() <= 3e-7
     assert g[6] == 1.0 and g[7] == 1.0
     assert torch.isnan(g[8]) and torch.isnan(g[9])  # NaN and inf x: NaN, as stock backward
 
