@@ -31,6 +31,7 @@ from ._eps import EPS, Fetched, LayerEntry, OptimizerFactory, empty_like_param
 from ._layers import Layers
 from ._layout import FlatLayout, alloc
 from ._meter import Meter
+from ._stash import refusal_text
 
 __all__ = ["SSDEPS"]
 
@@ -71,12 +72,10 @@ class SSDEPS(EPS):
     def _allocate(self, nbytes: int, index: int, what: str) -> Extent:
         ext = self._backend.allocate(nbytes)
         if ext is None:
-            refusal = getattr(self._backend, "refusal", "disk_full")
-            where = getattr(self._backend, "spill_path", "the spill directory")
             raise CapacityError(
                 f"tba.relay: the SSD EPS could not reserve {nbytes} bytes for layer {index}'s "
-                f"{what} in {where} ({refusal}). Free space on the spill filesystem, raise "
-                "TBA_MAX_DISK_BYTES (or TBA_NODE_MAX_DISK_BYTES), or use eps='host'."
+                f"{what} {refusal_text(self._backend)}. Free space on the spill filesystem, "
+                "raise TBA_MAX_DISK_BYTES (or TBA_NODE_MAX_DISK_BYTES), or use eps='host'."
             )
         return ext
 

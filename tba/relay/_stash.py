@@ -28,10 +28,21 @@ from ..storage.base import Backend, Extent
 from ._layout import alloc
 from ._meter import Meter
 
-__all__ = ["DiskStash", "MemoryStash"]
+__all__ = ["DiskStash", "MemoryStash", "refusal_text"]
 
 _CPU = torch.device("cpu")
 Key = tuple[int, int]  # (layer, micro-batch)
+
+
+def refusal_text(backend: Backend) -> str:
+    """Where the backend refused space, and why: its reason, and the first sentence of its
+    detail (the errno or the numbers; the rest is the offloader's fix, which the relay's own
+    message replaces). The storage layer logs refusals at debug level only, so this message is
+    where a relay user learns the cause."""
+    where = getattr(backend, "spill_path", "the spill directory")
+    why = getattr(backend, "refusal", "") or "disk_full"
+    detail = (getattr(backend, "refusal_detail", "") or "").split(". ")[0].rstrip(".")
+    return f"in {where} ({why}{': ' + detail if detail else ''})"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -104,11 +115,10 @@ class DiskStash:
         self._wait_for_room(size)
         ext = self._backend.allocate(size)
         if ext is None:
-            where = getattr(self._backend, "spill_path", "the spill directory")
             raise CapacityError(
                 f"tba.relay: the SSD stash could not reserve {size} bytes for layer {key[0]}'s "
-                f"input (micro-batch {key[1]}) in {where}. Free space on the spill filesystem, "
-                "raise TBA_MAX_DISK_BYTES, or use stash='memory'."
+                f"input (micro-batch {key[1]}) {refusal_text(self._backend)}. Free space on the "
+                "spill filesystem, raise TBA_MAX_DISK_BYTES, or use stash='memory'."
             )
         e = _Entry(ext, t, size)
         e.stage = alloc(size, _CPU, self._align)

@@ -206,6 +206,7 @@ def test_ssd_quota_too_small(tmp_path):
     with pytest.raises(
         tba.CapacityError,
         match=r"tba\.relay: the SSD EPS could not reserve 1052672 bytes for "
-        r"layer 0's weights",
+        r"layer 0's weights in .* \(quota: the per-process quota TBA_MAX_DISK_BYTES=65536 is "
+        r"used .*\)\. Free space",
     ):
         relay_of([nn.Linear(512, 512)], loss=mse, config=RelayConfig(eps="ssd"), storage=storage)
