@@ -51,6 +51,18 @@ class PolicyController:
         got.update(self.forced)
         return got or None
 
+    def blocks_lost(self, step: int) -> None:
+        """The model's blocks ran inside a torch.compile region (NOTE [Compiled regions] in
+        tba/groups.py): no block action applies, and the decision says so."""
+        if self.policy in ("recompute", "auto"):
+            self.decision = {
+                "policy": self.policy,
+                "actions": [],
+                "reason": "the model's blocks ran inside a torch.compile region: nothing "
+                "recomputed, offloaded by pack-order windows",
+                "step": step,
+            }
+
     def observe(self, step: int, records, write_bps, read_bps, budget, prefetch: int) -> None:
         """A step whose backward has run. ``budget(saved)`` gives the memory budget in bytes
         for a step that saves ``saved`` bytes (None: unbounded)."""

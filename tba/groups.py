@@ -117,10 +117,9 @@ class GroupTracker:
         self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
         self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
         self.default_action: str | None = None  # blocks not in it; None: from keep_last
-        self.lead_kept = False  # the group before the first block is kept (policy keep)
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
         self.adaptive = False  # keep_last is chosen per step (TBA_KEEP_LAST=auto)
-        self.policy = "offload"  # TBA_POLICY, named when a compiled model loses its blocks
+        self.policy = "offload"  # TBA_POLICY (the Offloader's)
         self._unwrap: list[Callable[[], None]] = []
         self.actions_now: list[str] = []  # this step's action per block
         self._attached: weakref.WeakKeyDictionary[nn.Module, _Attached] = (
@@ -167,6 +166,12 @@ class GroupTracker:
         self.by_model = False
         self.current: _Attached | None = None  # the model whose block hooks count now
         self.lost_blocks = False  # this step found its model's blocks in a compiled region
+
+    @property
+    def lead_kept(self) -> bool:
+        """TBA_POLICY=keep: the group before the first block is kept too (every window, in
+        pack-order windows)."""
+        return self.policy == "keep"
 
     def attach(self, model: nn.Module) -> _Attached:
         """Install the block hooks on ``model``, once per model (NOTE [Groups]).

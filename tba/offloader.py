@@ -93,7 +93,6 @@ class Offloader:
         self.policy = PolicyController(config.policy, config.block_policy)
         self.groups.recompute = Recompute(self.packer.count_hidden, self._recomputing)
         self.groups.default_action = self.policy.default_action()
-        self.groups.lead_kept = config.policy == "keep"
         self.groups.policy = config.policy
         self._logged_policy: list[str] | None = None
         self._trace: TraceWriter | None = None
@@ -155,14 +154,8 @@ class Offloader:
                 self.index.bury()
                 self.packer.seal_all()
                 self.groups.end()
-                if self.groups.lost_blocks and self.config.policy in ("recompute", "auto"):
-                    self.policy.decision = {  # NOTE [Compiled regions]: no block action applies
-                        "policy": self.config.policy,
-                        "actions": [],
-                        "reason": "the model's blocks ran inside a torch.compile region: "
-                        "nothing recomputed, offloaded by pack-order windows",
-                        "step": st.index,
-                    }
+                if self.groups.lost_blocks:
+                    self.policy.blocks_lost(st.index)
                 self._log_policy(st)
                 st.finish_forward()
                 self._active_thread = None
