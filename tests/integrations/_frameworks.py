@@ -42,15 +42,91 @@ def deepspeed_cpu() -> None:
 
 
 @contextlib.contextmanager
+def megatron_recompute_on_cpu():
+    """What megatron-core needs on the CPU when a layer is recomputed in backward: its own
+    ``recompute_granularity`` or tba's ``TBA_POLICY=recompute``.
+
+    - the recompute runs inside autograd's backward, where the ``device="cuda"`` factory shim of
+      :func:`tba.testing.megatron_on_cpu` (a TorchFunctionMode) is not active, and the default
+      causal mask is built with ``device="cuda"``: built on the CPU here, the same mask;
+    - its checkpoint (``tensor_parallel.checkpoint``) stashes and restores the CUDA RNG state
+      beside the CPU one: nothing to stash without CUDA (the CPU state, which dropout draws from
+      here, is still stashed and restored by megatron-core).
+    """
+    import torch
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (
+        fused_softmax.get_default_causal_mask,
+        mrandom._get_cuda_rng_state,
+        mrandom._set_cuda_rng_state,
+    )
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(
+        torch.ones(sq, sq), diagonal=1
+    ).bool()
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        (
+            fused_softmax.get_default_causal_mask,
+            mrandom._get_cuda_rng_state,
+            mrandom._set_cuda_rng_state,
+        ) = saved
+
+
+@contextlib.contextmanager
 def megatron_cpu(tmp_path):
     """megatron-core (TP=1, PP=1) in this process on the CPU, with the shims of
-    :func:`tba.testing.megatron_on_cpu`."""
+    :func:`tba.testing.megatron_on_cpu` and :func:`megatron_recompute_on_cpu`."""
     from megatron.core import parallel_state
 
     init_world_of_one(tmp_path)
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        with megatron_on_cpu():
+        with megatron_on_cpu(), megatron_recompute_on_cpu():
             yield
     finally:
         parallel_state.destroy_model_parallel()
+
+
+# -- block policies (NOTE [Block policy] in tba/recompute.py) -------------------------------------
+# Alternate blocks, as TBA_BLOCK_POLICY / Config(block_policy=...) force them; a model with fewer
+# blocks takes the first ones, and with keep_last 0 a block not named is offloaded.
+MIXED = ("recompute", "offload", "recompute", "offload")
+POLICY_CONFIG = {  # Config / ds_config fields
+    "recompute": {"policy": "recompute"},
+    "auto": {"policy": "auto"},
+    "mixed": {"block_policy": ",".join(MIXED)},
+}
+POLICY_ENV = {  # the same, as TBA_* variables
+    "recompute": {"TBA_POLICY": "recompute"},
+    "auto": {"TBA_POLICY": "auto"},
+    "mixed": {"TBA_BLOCK_POLICY": ",".join(MIXED)},
+}
+
+
+def policy_problems(st: dict, policy: str, blocks: int) -> list[str]:
+    """What is wrong with a step's ``stats()`` after training under ``policy`` (a key of
+    POLICY_CONFIG) on a model of ``blocks`` blocks: the blocks ran as the policy says (for auto:
+    as a decision made after a measured step says, whatever it chose), and no spill extent is
+    left on disk. Empty when all is well; a list so that a worker can report it."""
+    actions, rec = st["group_policy"], st["recomputed_groups"]
+    bad = []
+    if len(actions) != blocks:
+        bad.append(f"group_policy {actions} does not name the {blocks} blocks")
+    if policy == "recompute" and (set(actions) != {"recompute"} or rec != blocks):
+        bad.append(f"recompute: group_policy {actions}, recomputed_groups {rec}")
+    if policy == "mixed" and (actions != list(MIXED[:blocks]) or rec != actions.count("recompute")):
+        bad.append(f"mixed: group_policy {actions}, recomputed_groups {rec}")
+    if policy == "auto":
+        decision = st["policy_decision"]
+        if decision.get("actions") != actions or "step" not in decision:
+            bad.append(f"auto: no decision ran this step's blocks: {decision}, ran {actions}")
+        if rec != actions.count("recompute"):
+            bad.append(f"auto: recomputed_groups {rec} for {actions}")
+    if st["disk_bytes_in_use"] != 0:
+        bad.append(f"{st['disk_bytes_in_use']} bytes still on disk after training")
+    return bad

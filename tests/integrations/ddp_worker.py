@@ -5,6 +5,11 @@ Each rank gets its own data, so the all-reduce mixes different gradients. Writes
 ``rank<r>.json`` into the directory given: losses of both runs (as exact hex floats), whether the
 gradients and weights are bit-identical, the rank's spill directory, the spill files this process
 holds open, and what it sees of the other rank's directory.
+
+With block policies after the directories (``recompute``, ``auto``, ``mixed``: keys of
+``POLICY_CONFIG`` in _frameworks.py), trains a model with dropout instead, without tba and then
+once per policy, and writes ``<policy>-rank<r>.json``: both runs' losses, whether gradients and
+weights are bit-identical, and what is wrong with the last step's block actions (empty: nothing).
 """
 
 from __future__ import annotations
@@ -41,21 +46,23 @@ def open_spill_files(root: str) -> list[str]:
     return out
 
 
-def train(rank: int, off: tba.Offloader | None, out: dict) -> tuple[list, list, list]:
+def train(
+    rank: int, off: tba.Offloader | None, out: dict | None, cfg: GPTConfig = CFG
+) -> tuple[list, list, list]:
     torch.manual_seed(0)
-    model = DDP(GPT(CFG))
+    model = DDP(GPT(cfg))
     if off is not None:
         tba.integrations.wrap(model.module, off)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     losses, grads = [], []
     for step in range(STEPS):
-        x = torch.randint(0, CFG.vocab, (2, CFG.seq), generator=g)
+        x = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
         loss = model(x, x)
         if off is not None:
             off.synchronize()  # writes done: backward reads what is not still alive from disk
         loss.backward()
-        if off is not None and step == 0:
+        if off is not None and step == 0 and out is not None:
             out["spill_dir"] = off.backend.spill_path
             out["open_files"] = open_spill_files(off.config.spill_dir)
             dist.barrier()  # both ranks' directories exist now
@@ -67,11 +74,47 @@ def train(rank: int, off: tba.Offloader | None, out: dict) -> tuple[list, list, 
     return losses, grads, [p.detach().clone() for p in model.parameters()]
 
 
+def equal(a: list, b: list) -> bool:
+    return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def policies(rank: int, out_dir: str, spill_root: str, names: list[str]) -> None:
+    """Each block policy against one run without tba, dropout on (recompute replays masks)."""
+    from tests.integrations._frameworks import POLICY_CONFIG, policy_problems
+
+    cfg = GPTConfig(**{**vars(CFG), "dropout": 0.1})
+    ref_losses, ref_grads, ref_params = train(rank, None, {}, cfg)
+    for name in names:
+        off = tba.Offloader(
+            tba.Config(
+                spill_dir=spill_root, min_offload_bytes=1, keep_last=0, **POLICY_CONFIG[name]
+            )
+        )
+        losses, grads, params = train(rank, off, None, cfg)  # no directory probes
+        off.synchronize()
+        problems = policy_problems(off.stats(), name, cfg.layers)
+        off.close()
+        out = {
+            "ref_losses": [float(x).hex() for x in ref_losses],
+            "losses": [float(x).hex() for x in losses],
+            "grads_equal": len(grads) == len(ref_grads) == STEPS
+            and all(equal(a, b) for a, b in zip(grads, ref_grads)),
+            "params_equal": equal(params, ref_params),
+            "problems": problems,
+        }
+        with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+
+
 def main() -> None:
     out_dir, spill_root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)  # two ranks on two cores
+    if sys.argv[3:]:
+        policies(rank, out_dir, spill_root, sys.argv[3:])
+        dist.destroy_process_group()
+        return
     ref_losses, ref_grads, ref_params = train(rank, None, {})
     off = tba.Offloader(
         tba.Config(spill_dir=spill_root, min_offload_bytes=1, keep_last=0, slab_bytes="16MiB")

@@ -49,3 +49,23 @@ def test_two_ranks_exact_and_separate(tmp_path):
         assert not [d for d in out["dirs_after_close"] if pattern.match(d)]
     assert got[0]["spill_dir"] != got[1]["spill_dir"]
     assert got[0]["losses"] != got[1]["losses"]  # different data per rank: a real all-reduce
+
+
+@pytest.mark.slow
+def test_two_ranks_exact_under_block_policies(tmp_path):
+    """DDP over 2 ranks (dropout on, its own data per rank) with tba.integrations.wrap under
+    Config(policy=recompute / auto) and a forced mixed assignment, one torchrun for the three:
+    losses, gradients and weights bit-identical to DDP without tba on each rank, and the blocks
+    ran as each policy says (_frameworks.policy_problems)."""
+    worker = os.path.join(ROOT, "tests", "integrations", "ddp_worker.py")
+    names = ["recompute", "auto", "mixed"]
+    proc = torchrun(worker, str(tmp_path), str(tmp_path / "spill"), *names)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in names:
+        got = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+        for r, out in enumerate(got):
+            where = f"{name}, rank {r}"
+            assert out["losses"] == out["ref_losses"] and len(out["losses"]) == 3, where
+            assert out["grads_equal"] and out["params_equal"], where
+            assert out["problems"] == [], where
+        assert got[0]["losses"] != got[1]["losses"]  # different data per rank

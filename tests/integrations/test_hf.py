@@ -25,7 +25,8 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _train(tmp_path, callbacks, steps: int = 3):
+def _train(tmp_path, callbacks, steps: int = 3, **more_args):
+    """``more_args``: more TrainingArguments, e.g. the user's own gradient checkpointing."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -51,6 +52,7 @@ def _train(tmp_path, callbacks, steps: int = 3):
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **more_args,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
@@ -92,3 +94,61 @@ def test_env_only_and_kill_switch(tmp_path, monkeypatch):
     cb = OffloadCallback()
     _train(tmp_path, [cb], steps=1)
     assert cb.offloader is None and cb.last_stats is None
+
+
+# -- block policies (NOTE [Block policy] in tba/recompute.py) ------------------------------------
+def _policy_callback(tmp_path, **policy):
+    from tba.config import Config
+    from tba.integrations.hf import OffloadCallback
+
+    cfg = Config(spill_dir=str(tmp_path / "spill"), min_offload_bytes=1, keep_last=0, **policy)
+    return OffloadCallback(config=cfg)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto", "mixed"])
+def test_trainer_exact_under_block_policies(tmp_path, policy):
+    """Config(policy=recompute / auto) and Config(block_policy=...) alternating recompute and
+    offload, through Trainer (gradient accumulation 2, dropout on): the logged losses and the
+    weights after two optimizer steps are bit-identical to Trainer without tba; the GPT-2 blocks
+    ran as the policy says."""
+    from ._frameworks import POLICY_CONFIG, policy_problems
+
+    ref_losses, ref_params, _ = _train(tmp_path, [], steps=2)
+    cb = _policy_callback(tmp_path, **POLICY_CONFIG[policy])
+    losses, params, model = _train(tmp_path, [cb], steps=2)
+    assert policy_problems(cb.last_stats, policy, 3) == []
+    assert len(losses) == 2 and losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert "forward" not in model.__dict__ and cb.offloader.closed
+
+
+class NotLeftAsUser(AssertionError):
+    """The user's checkpointed blocks are not recorded as ``user`` (the xfail below)."""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=NotLeftAsUser,
+    reason="tba bug: transformers 5 checkpoints a GradientCheckpointingLayer's forward inside "
+    "its __call__, after the module hooks, so tba's block hook sees no foreign saved-tensor "
+    "hooks and wraps the user's checkpointed layer in a checkpoint of its own: group_policy "
+    "says 'recompute', not 'user' (and with use_reentrant=True each layer's forward runs a "
+    "third time in backward)",
+)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
+def test_recompute_leaves_gradient_checkpointing_to_the_user(tmp_path, reentrant):
+    """Trainer's gradient_checkpointing=True (gradient_checkpointing_enable) with
+    TBA_POLICY=recompute: exact (asserted first; a difference fails this test outright), and
+    the user's checkpointed layers left as they are (``user``)."""
+    gc = {"gradient_checkpointing": True}
+    if reentrant:
+        gc["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
+    ref_losses, ref_params, _ = _train(tmp_path, [], steps=2, **gc)
+    cb = _policy_callback(tmp_path, policy="recompute")
+    losses, params, _ = _train(tmp_path, [cb], steps=2, **gc)
+    st = cb.last_stats
+    assert len(losses) == 2 and losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert st["disk_bytes_in_use"] == 0
+    if st["group_policy"] != ["user"] * 3 or st["recomputed_groups"] != 0:
+        raise NotLeftAsUser(f"{st['group_policy']}, recomputed_groups {st['recomputed_groups']}")
