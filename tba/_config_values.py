@@ -230,9 +230,11 @@ def _optional_rank(value: Any) -> int | None:
 
 
 POLICIES = ("auto", "offload", "recompute", "keep")
-BLOCK_ACTIONS = ("keep", "offload", "recompute")
+# recompute_offload: recomputed, and the inputs its checkpoint saves are offloaded, not kept
+BLOCK_ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
+RECOMPUTED = ("recompute", "recompute_offload")  # the actions that run a block again in backward
 _BLOCK_POLICY_HELP = (
-    "per-block actions, keep|offload|recompute: a list in block order such as "
+    "per-block actions, keep|offload|recompute|recompute_offload: a list in block order such as "
     "'recompute,offload,recompute', or 'index:action' pairs such as '0:recompute,2:keep' "
     "(in Python also a list or a dict {index: action})"
 )

@@ -4,15 +4,29 @@ and paced as adaptive keep is (NOTE [Decision cost] in tba/pacer.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from .chooser import SEARCH_SIMS, Cost, choose
+from .config import RECOMPUTED
 from .pacer import DRIFT, STALL_SHARE, Pacer
 
 __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
 
 log = logging.getLogger("tba")
+
+# NOTE [Recompute cost]
+# A recomputed block costs backward its forward once more, but not the forward as timed in the
+# first pass: that one records the graph, touches fresh memory, and in an offload step also
+# packs and queues writes. On W1 (2-core CPU) a block forwards in 0.19 s (0.23 s offloading) and
+# recomputes in 0.125 s; charged the forward, every recompute assignment was predicted 10-15%
+# slow. So the recompute wrapper times backward's run of the forward (``recompute_seconds`` of
+# a group record) and the chooser charges a block the seconds its last recompute took; a block
+# not yet recomputed, its forward times the ratio of recompute to forward of the blocks that
+# have been (its plain forward when none has). The first time a block's recompute is measured
+# the controller decides again (paced as any decision), so the first decision's guess is
+# corrected at the next step rather than 20 steps later (the schedule).
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
 # step's saved bytes (the target the issue sets for the defaults). Read by
@@ -37,6 +51,9 @@ class PolicyController:
         self.basis: tuple[float, float] | None = None
         self.bandwidth: tuple[float | None, float | None] = (None, None)
         self.block_bytes: dict[int, tuple[int, int]] = {}  # block -> (saved, input) measured
+        # block -> (recompute, forward) seconds of the last step that recomputed it
+        self.block_recompute: dict[int, tuple[float, float]] = {}
+        self.learned = False  # a block's recompute was measured for the first time
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -78,7 +95,8 @@ class PolicyController:
             abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
         )
         ready = self.pacer.ready(base)
-        if not (drifted or step - self.decided_at >= self.every or stalled > STALL_SHARE * base):
+        due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
+        if not (drifted or due or self.learned):
             return
         if not ready:  # NOTE [Decision cost]
             return
@@ -88,6 +106,7 @@ class PolicyController:
             groups, w, r, limit, prefetch, exhaustive_blocks=0, fixed=fixed, max_sims=SEARCH_SIMS
         )
         spent = self.pacer.spent(t0)
+        self.learned = False
         chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
@@ -121,8 +140,10 @@ class PolicyController:
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:
         """The chooser's groups from a step's records; blocks checkpointed by the user are
-        fixed as recomputed. Bytes of a block come from the last step that measured them."""
+        fixed as recomputed. Bytes of a block come from the last step that measured them, its
+        recompute seconds as NOTE [Recompute cost] says."""
         groups, fixed, b = [], {}, 0
+        blocks = []
         for x in records:
             act = x["action"]
             if not act:
@@ -130,13 +151,30 @@ class PolicyController:
                 continue
             if act == "user":
                 fixed[b] = "recompute"
-            saved = _group_bytes(x) + (x["hidden_bytes"] if act == "recompute" else 0)
-            if act != "user" and (act != "recompute" or x["hidden_bytes"]):
+            rec = act in RECOMPUTED
+            saved = _group_bytes(x) + (x["hidden_bytes"] if rec else 0)
+            if act != "user" and (not rec or x["hidden_bytes"]):
                 self.block_bytes[b] = (saved, x["input_bytes"])
             saved, inputs = self.block_bytes.get(b, (saved, x["input_bytes"]))
-            bwd = x["bwd_seconds"] - (x["fwd_seconds"] if act in ("recompute", "user") else 0.0)
+            again = x.get("recompute_seconds", 0.0) if rec else 0.0
+            if again > 0:
+                self.learned |= b not in self.block_recompute
+                self.block_recompute[b] = (again, x["fwd_seconds"])
+            # backward's time includes the recompute: the block's own part is the rest
+            first = x["fwd_seconds"] if rec or act == "user" else 0.0
+            bwd = x["bwd_seconds"] - (again or first)
+            blocks.append((len(groups), b))
             groups.append(Cost(x["fwd_seconds"], max(0.0, bwd), saved, inputs))
             b += 1
+        if self.block_recompute:
+            ratio = sum(r for r, _ in self.block_recompute.values()) / max(
+                1e-12, sum(f for _, f in self.block_recompute.values())
+            )
+            for gi, bi in blocks:
+                g = groups[gi]
+                got = self.block_recompute.get(bi)
+                again = got[0] if got else ratio * g.fwd
+                groups[gi] = dataclasses.replace(g, recompute=again)
         fixed.update(self.forced)
         return groups, fixed
 

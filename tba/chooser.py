@@ -4,23 +4,26 @@
 Input, per group of a step in forward order (``Cost``): forward and backward compute seconds,
 the bytes the group saves, the bytes of its inputs (what recompute keeps), and whether it is a
 block; plus the write and read bandwidth and a memory budget in bytes. Each block gets keep,
-offload or recompute (NOTE [Block policy] in tba/recompute.py); a group between or after
+offload, recompute or recompute_offload (recomputed, its inputs offloaded rather than kept:
+DELTA's swap of the checkpoints; NOTE [Block policy] in tba/recompute.py); a group between or after
 blocks follows the block before it when that one is kept, else it is offloaded (the group
 before the first block is offloaded). An assignment is replayed by the simulator tba plan and
 adaptive keep use (NOTE [Simulator] in tba/simulator/engine.py, its plain runtime case plus
 its Recompute rule), which predicts the step time and the peak of resident saved bytes (kept,
 staging, read-back, a recomputed block's tensors during its backward). Swapping costs what its
 I/O does not hide behind compute (about max(0, bytes / bandwidth - compute window)), and a
-recompute costs the block's forward time once more; keeping costs memory only.
+recompute costs the block's forward once more (``Cost.recompute``: measured when the block has
+been recomputed, else estimated from blocks that have; NOTE [Recompute cost] in
+tba/autopolicy.py); keeping costs memory only.
 
 The choice: among the assignments whose predicted peak is within the budget, the shortest
 predicted step, ties going to the lower peak; when none fits, the lowest peak (and the caller
 says so). Without a budget (None) nothing bounds memory, and keeping everything wins. With at
-most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (3^6 = 729 on
+most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (4^6 = 4096 on
 W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
 local search. It replays the uniform assignments (every block recomputed, offloaded, kept) and
-the keep-last ones (the last k blocks kept, the rest all recomputed or all offloaded, for up
-to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1), then, from the best ``DESCENTS`` of
+the keep-last ones (the last k blocks kept, the rest all given one of the other actions, for
+up to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1), then, from the best ``DESCENTS`` of
 those, changes one block at a time while that improves the objective. It stops after
 ``max_sims`` replays (``SEARCH_SIMS`` at run time) and answers the best assignment it
 replayed. Each replay is Python on the training thread, about 2.5 ms for 16 blocks: the
@@ -36,9 +39,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from .config import BLOCK_ACTIONS
 from .simulator import Engine, Setup, Span, pieces
 
-ACTIONS = ("keep", "offload", "recompute")
+ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload
 EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
 SEARCH_SIMS = 300  # replays a run-time decision may take (NOTE [Chooser])
 KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local search replays first
@@ -54,6 +58,10 @@ class Cost:
     nbytes: int  # bytes it saves (offloadable)
     input_bytes: int = 0  # a block's inputs: what stays resident when it is recomputed
     block: bool = True
+    # seconds backward's recompute of the block takes (None: ``fwd``). Measured, it is less
+    # than the forward on a CPU: W1's blocks took 0.125 s again against 0.19 s the first time
+    # (the first forward touches fresh memory and records the graph).
+    recompute: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +101,7 @@ def predict(
     prefetch_bytes: int,
 ) -> Prediction:
     """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser])."""
-    spans = [Span(g.fwd, g.bwd, pieces(g.nbytes), g.input_bytes) for g in groups]
+    spans = [Span(g.fwd, g.bwd, pieces(g.nbytes), g.input_bytes, g.recompute) for g in groups]
     setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch_bytes)
     engine = Engine(setup)
     got = engine.step(spans, len(spans), actions=group_actions(groups, actions))
@@ -148,13 +156,14 @@ def choose(
 
 def _starts(n: int) -> list[list[str]]:
     """The assignments the local search replays first: uniform ones, then the last k blocks
-    kept and the rest recomputed or offloaded, for up to KEEP_LAST_STARTS values of k spread
+    kept and the rest given one other action, for up to KEEP_LAST_STARTS values of k spread
     over 1..n-1."""
     out = [[a] * n for a in ACTIONS]
     if n > 1:
         m = min(n - 1, KEEP_LAST_STARTS)
         ks = sorted({1 + round(i * (n - 2) / max(1, m - 1)) for i in range(m)})
-        out += [[a] * (n - k) + ["keep"] * k for k in ks for a in ("recompute", "offload")]
+        lead = ("recompute", "offload", "recompute_offload")
+        out += [[a] * (n - k) + ["keep"] * k for k in ks for a in lead]
     return out
 
 

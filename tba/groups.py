@@ -44,8 +44,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .config import RECOMPUTED
 from .errors import internal_error
-from .recompute import USER, Recompute, foreign_hooks_innermost
+from .recompute import USER, Recompute, user_checkpointed
 from .step import StepState
 
 
@@ -91,7 +92,7 @@ def _enter_hook(tracker: weakref.ref[GroupTracker], rec: _Attached, i: int) -> C
             return  # traced by dynamo: nothing of tba in the graph (NOTE [Compiled regions])
         t = tracker()
         if t is not None and t.current is rec:
-            t.enter_block(i, args)
+            t.enter_block(i, args, module)
 
     return enter
 
@@ -159,6 +160,7 @@ class GroupTracker:
         if self.kept:
             self.stat.kept = True
         self.recomputing = False
+        self.inputs_offloaded = False  # recompute_offload: the checkpoint's inputs offloaded
         self.packed = 0
         self.window = 0  # the pack-order window of the last pack
         self.entered = 0  # block hooks that fired in this step
@@ -226,28 +228,29 @@ class GroupTracker:
         """Install the recompute wrapper on each block whose action is recompute; by block,
         it runs them under checkpoint, in windows (NOTE [Compiled regions]) as they are."""
         if self.recompute is None:
-            if "recompute" in actions:
+            if any(a in RECOMPUTED for a in actions):
                 raise internal_error("groups", "a recompute action without a Recompute")
             return
         for block, action in zip(rec.blocks, actions):
-            if action == "recompute":
+            if action in RECOMPUTED:
                 self._unwrap.append(self.recompute.install(block, self._where))
 
     def _where(self) -> tuple[Any, Any]:
         """The (StepState, GroupStat) a recompute wrapper runs in; (None, None) in windows."""
         return (self.step, self.stat) if self.by_model else (None, None)
 
-    def enter_block(self, i: int, args: Any) -> None:
+    def enter_block(self, i: int, args: Any, block: nn.Module | None = None) -> None:
         self.entered += 1
         self._switch(self.group + 1)
-        if foreign_hooks_innermost():  # checkpointed by the user: left as it is
+        if user_checkpointed(block):  # left as it is (NOTE [Block policy], item 4)
             act = USER
             if self.step is not None and i < len(self.step.group_policy):
                 self.step.group_policy[i] = USER
         else:
             act = self.actions_now[i] if i < len(self.actions_now) else "offload"
         self.kept = act == "keep"
-        self.recomputing = act == "recompute"
+        self.recomputing = act in RECOMPUTED
+        self.inputs_offloaded = act == "recompute_offload"
         if self.stat is not None:
             self.stat.kept = self.kept
             self.stat.action = act
@@ -272,11 +275,14 @@ class GroupTracker:
 
     def on_pack(self, nbytes: int) -> bool | str:
         """Account a pack of ``nbytes``; True when it belongs to a kept group, "recompute" when
-        to a recomputed block (its checkpoint's inputs: kept, NOTE [Block policy])."""
+        to a recomputed block (its checkpoint's inputs: kept, NOTE [Block policy]; with
+        recompute_offload, False: offloaded)."""
         self.window = window = self.packed // self.group_bytes
         self.packed += nbytes
         if self.by_model:
-            return "recompute" if self.recomputing else self.kept
+            if self.recomputing:
+                return False if self.inputs_offloaded else "recompute"
+            return self.kept
         if window != self.group:
             self._switch(window)
         kept = self.first_kept is not None and window >= self.first_kept

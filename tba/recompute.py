@@ -4,7 +4,10 @@
 Each block of a step (NOTE [Groups] in tba/groups.py) gets one action: ``keep`` (its saved
 tensors stay resident), ``offload`` (written to disk, read back ahead of backward) or
 ``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it
-saves is dropped after its forward and computed again in backward). ``TBA_POLICY`` picks the
+saves is dropped after its forward and computed again in backward), or ``recompute_offload``
+(recomputed too, but the inputs its checkpoint saves are offloaded like any saved tensor
+instead of kept: DELTA's swap of the checkpoints, for when even those do not fit the budget
+and the disk has the time). ``TBA_POLICY`` picks the
 actions (offload: the last ``TBA_KEEP_LAST`` blocks kept, the others offloaded, as before;
 recompute, keep: every block; auto: the chooser, NOTE [Chooser] in tba/chooser.py), and
 ``TBA_BLOCK_POLICY`` forces some blocks. A group between or after blocks follows the block
@@ -17,7 +20,9 @@ How recompute is done, and why it is exact:
    and forward hook run around it, outside the checkpoint.
 2. Autograd consults only the innermost ``saved_tensors_hooks``. Checkpoint saves the block's
    inputs first, under tba's hooks (so tba packs them, in the block's group, and keeps them
-   resident: kept reason ``recompute``, what a checkpointed block costs), then pushes its own
+   resident: kept reason ``recompute``, what a checkpointed block costs; with
+   ``recompute_offload`` it offloads them, and backward's recompute unpacks them from disk
+   first), then pushes its own
    hook for the forward: nothing the block saves reaches tba's pack. In backward the
    recompute runs under checkpoint's recomputation hook, also innermost, so its saves never
    reach tba either, even when a tba step is active in that thread.
@@ -26,8 +31,12 @@ How recompute is done, and why it is exact:
    for bit and the caller's RNG stream is the same as without recompute.
 4. A block the user already checkpoints is left as it is: when the block is entered and the
    innermost saved-tensors hooks are not tba's (the user's checkpoint, ``save_on_cpu``, or a
-   recompute in backward), the wrapper calls the plain forward and the block's action is
-   recorded as ``user``.
+   recompute in backward), or grad is off (a reentrant checkpoint, such as megatron-core's
+   ``recompute_granularity="full"``, runs the block without grad and pushes no hooks), or
+   the block is a transformers layer with ``gradient_checkpointing`` on (transformers 5
+   checkpoints the class's ``forward`` inside the call, after the module hooks, so no
+   checkpoint runs yet when the block is entered), the wrapper calls the plain forward and
+   the block's action is recorded as ``user``.
 5. While the checkpointed forward runs, a hook chained over checkpoint's own (pack: count,
    then checkpoint's pack; unpack: checkpoint's) counts what the block saves, once per storage
    per step and parameters excluded, into ``saved_bytes`` (what stays resident without tba)
@@ -46,6 +55,7 @@ How recompute is done, and why it is exact:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +75,21 @@ def foreign_hooks_innermost() -> bool:
     if top is None:
         return False
     return not getattr(getattr(top[0], "__self__", None), "tba_offload_hooks", False)
+
+
+def user_checkpointed(block: nn.Module | None) -> bool:
+    """True when the block entered now runs under someone else's checkpoint (item 4 of NOTE
+    [Block policy]): foreign saved-tensor hooks innermost, grad off (a reentrant checkpoint
+    pushes no hooks), or a transformers layer with gradient checkpointing on (transformers 5
+    checkpoints the class's ``forward`` inside the module call, so at the block's hooks no
+    checkpoint is running yet)."""
+    if foreign_hooks_innermost() or not torch.is_grad_enabled():
+        return True
+    return (
+        block is not None
+        and getattr(block, "gradient_checkpointing", False) is True
+        and block.training
+    )
 
 
 class Recompute:
@@ -95,15 +120,19 @@ class Recompute:
             if torch.compiler.is_compiling():
                 return inner(*args, **kwargs)  # traced: the plain forward (item 6 of the NOTE)
             step, stat = where()
-            if step is None or not torch.is_grad_enabled() or foreign_hooks_innermost():
-                return inner(*args, **kwargs)  # no grad, or someone else's hooks: as it is
+            if step is None or user_checkpointed(block):
+                return inner(*args, **kwargs)  # no grad, or the user's checkpoint: as it is
             calls = [0]
 
             def run(*a: Any, **kw: Any) -> Any:
                 calls[0] += 1
                 if calls[0] > 1:  # backward: the recompute (its saves are checkpoint's)
                     owner.recomputing(step, stat)
-                    return inner(*a, **kw)
+                    t0 = time.perf_counter()
+                    try:
+                        return inner(*a, **kw)
+                    finally:  # checkpoint may stop it early, by raising: timed all the same
+                        stat.recompute_seconds += time.perf_counter() - t0
                 return owner._counted(inner, step, stat, a, kw)
 
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -65,6 +65,7 @@ class GroupStat:
         "action",
         "input_bytes",
         "hidden_bytes",
+        "recompute_seconds",
         "tensors",
         "packed_bytes",
         "saved_bytes",
@@ -91,6 +92,7 @@ class GroupStat:
         self.action = ""  # a block's action (NOTE [Block policy]); "" between blocks
         self.input_bytes = 0  # a block's tensor inputs (what recompute keeps)
         self.hidden_bytes = 0  # saved inside tba's checkpoint of the block (not packed by tba)
+        self.recompute_seconds = 0.0  # backward's run of the block's forward again
         self.tensors = 0
         self.packed_bytes = 0  # per pack: views of one storage count once each
         self.saved_bytes = 0  # storages first seen in this group, once each (what keeping costs)
@@ -234,6 +236,7 @@ class StepState:
                     "action": gs.action,
                     "input_bytes": gs.input_bytes,
                     "hidden_bytes": gs.hidden_bytes,
+                    "recompute_seconds": gs.recompute_seconds,
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
                     "saved_bytes": gs.saved_bytes,

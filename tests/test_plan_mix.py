@@ -35,7 +35,7 @@ def by_hand(w, hw, actions, prefetch=128 * MiB):
 def test_json_mix_is_what_the_chooser_predicts(capsys):
     rc, m, _ = run(capsys)
     assert rc == 0 and m["available"] and m["search"] == "exhaustive"
-    assert m["searched"] == 3**4  # 4 blocks: every assignment
+    assert m["searched"] == 4**4  # 4 blocks: every assignment of 4 actions
     hw = P.Hardware(0.5e9, 1e9, flops=1e12)
     w = P.workload_from_shape(P.ModelShape(4, 256, 4, 256, batch=2), hw)
     got = by_hand(w, hw, m["actions"])
@@ -106,7 +106,7 @@ def test_text_mix_section(capsys):
     rc, text, err = run(capsys, "--write-gbps", "1e-3", text=True)
     assert rc == 0 and err == ""  # 4 blocks: exhaustive, no note about a long search
     mix = text[text.index("\nmix: ") :]
-    assert "search:   exhaustive: 81 assignments simulated" in mix
+    assert "search:   exhaustive: 256 assignments simulated" in mix
     assert "blocks:   " in mix and "recompute x" in mix
     for row in ("keep all", "checkpoint all", "mix "):
         assert f"\n{row}" in mix

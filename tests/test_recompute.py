@@ -157,3 +157,50 @@ def test_peak_with_recompute_counts_no_block_backward_is_done_with(make_offloade
     # resident peak); a recompute adds one block's saves to what is left once they are freed.
     assert st["peak_resident_bytes"] <= st["peak_with_recompute_bytes"]
     assert st["peak_with_recompute_bytes"] < st["peak_resident_bytes"] + min(hidden)
+
+
+def test_recompute_offload_offloads_the_checkpoint_inputs_and_stays_exact(make_offloader):
+    """recompute_offload: the block is recomputed as with recompute, but the inputs its
+    checkpoint saves are offloaded (none is kept for reason ``recompute``) and backward reads
+    them back before it runs the forward again; gradients are those of plain training."""
+
+    def grads(off):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        torch.manual_seed(1)  # dropout
+        if off is None:
+            loss = model(*random_batch(CFG, 4))
+        else:
+            loss = run_step(off, model)
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    base = grads(None)
+    for action, kept_inputs in (("recompute", 3), ("recompute_offload", 0)):
+        off = make_offloader(block_policy=",".join([action] * 3), keep_last=0, min_offload_bytes=1)
+        got = grads(off)
+        assert all(torch.equal(a, b) for a, b in zip(base, got)), action
+        st = off.stats()
+        assert st["group_policy"] == [action] * 3 and st["recomputed_groups"] == 3
+        assert st["kept_reasons"].get("recompute", 0) == kept_inputs
+        recs = [r for r in off._last.group_records() if r["action"]]
+        if action == "recompute_offload":  # each block's input went to disk and came back
+            assert all(r["offloaded_bytes"] >= r["input_bytes"] > 0 for r in recs)
+            assert st["bytes_reloaded"] >= sum(r["input_bytes"] for r in recs)
+        assert st["disk_bytes_in_use"] == 0
+
+
+def test_recompute_seconds_time_backwards_forward_again(make_offloader):
+    """A recomputed block's record says how long backward's run of its forward took (NOTE
+    [Recompute cost] in tba/autopolicy.py); other groups say 0."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(block_policy="recompute,offload,recompute_offload")
+    run_step(off, model).backward()
+    recs = off._last.group_records()
+    timed = {r["action"]: r["recompute_seconds"] for r in recs if r["action"]}
+    assert timed["recompute"] > 0 and timed["recompute_offload"] > 0 and timed["offload"] == 0
+    assert all(r["recompute_seconds"] == 0 for r in recs if not r["action"])
+    for r in recs:  # backward's time of a recomputed block includes its recompute
+        if r["recompute_seconds"]:
+            assert r["bwd_seconds"] >= r["recompute_seconds"]

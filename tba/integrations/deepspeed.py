@@ -90,6 +90,11 @@ _AIO = {
 _logged_once = False  # the settings are logged once per process (on rank 0)
 
 
+# keys whose "auto" is a value of their own (adaptive keep; the chooser of TBA_POLICY), not
+# "not set here"
+_AUTO_VALUED = ("keep_last", "policy")
+
+
 def _unset(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() == "auto")
 
@@ -172,7 +177,7 @@ def resolve_config(ds_config: Mapping[str, Any], rank: int = 0) -> tuple[Config,
     if isinstance(aio, Mapping):
         _from_aio(aio, values, sources, labels)
     for key, raw in section.items():
-        if key in ("enabled", "nvme_path") or (_unset(raw) and key != "keep_last"):
+        if key in ("enabled", "nvme_path") or (_unset(raw) and key not in _AUTO_VALUED):
             continue
         values[key] = raw
         sources[key] = labels[key] = f"ds_config {SECTION}.{key}"

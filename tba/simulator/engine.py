@@ -31,9 +31,12 @@ packed, needed by backward and released). The rules, as tba applies them:
   or at ``free_at`` when the tensor is held longer.
 - Recompute (``actions``, NOTE [Block policy] in tba/recompute.py): a recomputed group keeps
   only its ``input_bytes`` (an attribute of the group, 0 when absent) from its forward start;
-  at its backward start its forward runs again (``fwd`` seconds on the compute timeline), then
+  at its backward start its forward runs again (its ``recompute`` seconds when the group has
+  them, measured, else ``fwd``, on the compute timeline), then
   its saved tensors are resident, the inputs are let go, and each saved tensor is released at
-  its use. Nothing of it is written or read.
+  its use. Nothing of it is written or read, except with ``recompute_offload``: its inputs are
+  offloaded like any tensor packed at its forward start, and backward takes them (a read, a
+  stall, a copy out of staging) before it runs the forward again.
 - Memory follows tba's ``peak_resident_bytes`` accounting: kept tensors from pack to release,
   staging blocks until written, read-back buffers from read issue to release, staging copies.
   The device peak counts only kept and recomputed tensors, the host peak staging and
@@ -53,6 +56,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .._config_values import RECOMPUTED
 from ..storage.alloc import ExtentAllocator
 from .rules import Setup, Stage, read_ahead
 
@@ -186,15 +190,22 @@ class Engine:
             act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
             kept = act == "keep"
             start, shift, items = t, 0.0, []
-            if act == "recompute":  # the Recompute rule: only the inputs stay
+            if act in RECOMPUTED:  # the Recompute rule: only the inputs stay (or are written)
                 inputs = getattr(g, "input_bytes", 0)
-                self.mem(start, inputs, _DEV)
-                recomputed.append(inputs)
+                e = None
+                if act == "recompute_offload" and inputs > 0:
+                    e, shift = self._write(start, inputs)
+                    if e is not None:
+                        entries.append(e)
+                        written += inputs
+                if e is None:
+                    self.mem(start, inputs, _DEV)
+                recomputed.append((inputs, e))
                 saved = sorted(g.saved, key=lambda x: x.pack_at)
                 uses.append(
                     [(s.use_at, -i, s.nbytes, None, s.free_at) for i, s in enumerate(saved)]
                 )
-                t = start + g.fwd
+                t = start + shift + g.fwd
                 continue
             recomputed.append(None)
             for i, s in enumerate(sorted(g.saved, key=lambda x: x.pack_at)):
@@ -204,21 +215,13 @@ class Engine:
                     items.append((s.use_at, -i, s.nbytes, None, s.free_at))
                     n_kept += s.nbytes
                     continue
-                padded = -(-s.nbytes // su.align) * su.align
-                at = self._stage(tp, padded)
-                if at is None:  # no free range fits: kept, the forward does not wait
+                e, copy = self._write(tp, s.nbytes)
+                if e is None:  # no free range fits: kept, the forward does not wait
                     self.mem(tp, s.nbytes, _DEV)
                     items.append((s.use_at, -i, s.nbytes, None, s.free_at))
                     n_full += s.nbytes
                     continue
-                self.mem(tp, padded, _HOST)
-                copy = s.nbytes / su.capture_bps
                 shift += copy
-                done = self.wq.submit(tp + copy, padded, su.write_bps)
-                if self.arena is not None:
-                    heapq.heappush(self.staging, (done, at))
-                self.mem(done, -padded, _HOST)
-                e = _Entry(s.nbytes, padded, done)
                 entries.append(e)
                 items.append((s.use_at, -i, s.nbytes, e, s.free_at))
                 written += s.nbytes
@@ -248,6 +251,22 @@ class Engine:
             staging_full_bytes=n_full,
             writes_done_at=max((e.written for e in entries), default=t0) - t0,
         )
+
+    def _write(self, tp: float, nbytes: int) -> tuple[_Entry | None, float]:
+        """Offload ``nbytes`` packed at ``tp``: a staging block, the capture copy (its seconds
+        are returned: they delay the forward) and the write. None when staging is full."""
+        su = self.setup
+        padded = -(-nbytes // su.align) * su.align
+        at = self._stage(tp, padded)
+        if at is None:
+            return None, 0.0
+        self.mem(tp, padded, _HOST)
+        copy = nbytes / su.capture_bps
+        done = self.wq.submit(tp + copy, padded, su.write_bps)
+        if self.arena is not None:
+            heapq.heappush(self.staging, (done, at))
+        self.mem(done, -padded, _HOST)
+        return _Entry(nbytes, padded, done), copy
 
     def window_for(self, entries: Sequence[_Entry], written: int, bwd_total: float) -> int:
         """The read-ahead window of a step (the Prefetch rule of NOTE [Simulator])."""
@@ -287,13 +306,50 @@ class Engine:
             e.budgeted = 0
             pump(now)
 
+        got = {"stall": 0.0, "sync": 0, "served": 0, "staged": 0}
+
+        def take(e: _Entry, nbytes: int, tu: float, later: bool) -> float:
+            """Backward uses offloaded ``e`` at ``tu``; returns when it has it (and copied
+            it to the device)."""
+            if e.read_done is None and e.written > tu:  # still in staging: copy it out
+                self.mem(tu, e.padded, _HOST)
+                tu += nbytes / su.capture_bps
+                got["served"] += nbytes
+                got["staged"] += 1
+            elif e.read_done is None and e.want:  # copied out when the write completed
+                self.mem(e.written, e.padded, _HOST)
+                got["served"] += nbytes
+                got["staged"] += 1
+            else:
+                if e.read_done is None:  # on disk and never issued: a synchronous load
+                    got["sync"] += 1
+                    if not e.budgeted:
+                        e.budgeted = e.padded
+                        state["inflight"] += e.padded
+                    self.mem(tu, e.padded, _HOST)
+                    e.read_done = self.rq.submit(tu, e.padded, su.read_bps)
+                    state["read"] += nbytes
+                if e.read_done > tu:
+                    got["stall"] += e.read_done - tu
+                    tu = e.read_done
+            if not later:  # freed when its handle dies after the use
+                self.mem(tu, -e.padded, _HOST)
+            tu += nbytes / su.h2d_bps
+            e.used = True
+            if not later:
+                release(e, tu)
+            return tu
+
         pump(t)
-        stall = 0.0
-        sync = served = staged = 0
-        for g, items, inputs in zip(reversed(groups), reversed(uses), reversed(recomputed)):
+        for g, items, rec in zip(reversed(groups), reversed(uses), reversed(recomputed)):
             start, shift = t, 0.0
-            if inputs is not None:  # the block's forward again, then its saves are there
-                shift = g.fwd
+            if rec is not None:  # the block's forward again, then its saves are there
+                inputs, e = rec
+                if e is not None:  # its inputs, written in forward, come back first
+                    shift = take(e, inputs, start, False) - start
+                    self.mem(start + shift, inputs, _DEV)
+                again = getattr(g, "recompute", None)
+                shift += g.fwd if again is None else again
                 self.mem(start + shift, sum(s.nbytes for s in g.saved), _DEV)
                 self.mem(start + shift, -inputs, _DEV)
             events = []
@@ -316,41 +372,11 @@ class Engine:
                     if not later:
                         self.mem(tu, -nbytes, _DEV)
                     continue
-                if e.read_done is None and e.written > tu:  # still in staging: copy it out
-                    self.mem(tu, e.padded, _HOST)
-                    copy = nbytes / su.capture_bps
-                    shift += copy
-                    tu += copy
-                    served += nbytes
-                    staged += 1
-                elif e.read_done is None and e.want:  # copied out when the write completed
-                    self.mem(e.written, e.padded, _HOST)
-                    served += nbytes
-                    staged += 1
-                else:
-                    if e.read_done is None:  # on disk and never issued: a synchronous load
-                        sync += 1
-                        if not e.budgeted:
-                            e.budgeted = e.padded
-                            state["inflight"] += e.padded
-                        self.mem(tu, e.padded, _HOST)
-                        e.read_done = self.rq.submit(tu, e.padded, su.read_bps)
-                        state["read"] += nbytes
-                    if e.read_done > tu:
-                        stall += e.read_done - tu
-                        shift += e.read_done - tu
-                        tu = e.read_done
-                if not later:  # freed when its handle dies after the use
-                    self.mem(tu, -e.padded, _HOST)
-                h2d = nbytes / su.h2d_bps
-                shift += h2d
-                tu += h2d
-                e.used = True
-                if not later:
-                    release(e, tu)
+                done = take(e, nbytes, tu, later)
+                shift += done - tu
             t = start + shift + g.bwd
-        self.staged_entries = staged
-        return t, stall, sync, served, state["read"]
+        self.staged_entries = got["staged"]
+        return t, got["stall"], got["sync"], got["served"], state["read"]
 
     def peaks(self) -> tuple[int, int, int]:
         """Peak (all, device, host) bytes over the last step, what earlier steps left included."""

@@ -41,6 +41,7 @@ class Span:
     bwd: float
     saved: Sequence[Saved]
     input_bytes: int = 0  # what a recomputed group keeps (its checkpoint's inputs)
+    recompute: float | None = None  # seconds backward's run of its forward takes (None: fwd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,15 +254,11 @@ def test_engine_exact_under_block_policies(ds, tmp_path, monkeypatch, policy):
     assert _equal(params, ref_params)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='tba bug: ds_config activation_offload "policy": "auto" is read as "not set here" '
-    "(tba/integrations/deepspeed.py _unset exempts only keep_last), so the engine runs "
-    "TBA_POLICY's default, offload, without a word",
-)
 def test_ds_config_policy_auto_is_auto():
+    """ "auto" in the section means "not set here", except where it is a value of its own."""
     cfg, sources = tba_ds.resolve_config({"activation_offload": {"policy": "auto"}})
     assert cfg.policy == "auto", sources
+    assert sources["policy"] == "ds_config activation_offload.policy"
 
 
 def test_env_only_and_kill_switch(ds, tmp_path, monkeypatch):

@@ -123,18 +123,9 @@ def test_trainer_exact_under_block_policies(tmp_path, policy):
 
 
 class NotLeftAsUser(AssertionError):
-    """The user's checkpointed blocks are not recorded as ``user`` (the xfail below)."""
+    """The user's checkpointed blocks are not recorded as ``user``."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotLeftAsUser,
-    reason="tba bug: transformers 5 checkpoints a GradientCheckpointingLayer's forward inside "
-    "its __call__, after the module hooks, so tba's block hook sees no foreign saved-tensor "
-    "hooks and wraps the user's checkpointed layer in a checkpoint of its own: group_policy "
-    "says 'recompute', not 'user' (and with use_reentrant=True each layer's forward runs a "
-    "third time in backward)",
-)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
 def test_recompute_leaves_gradient_checkpointing_to_the_user(tmp_path, reentrant):
     """Trainer's gradient_checkpointing=True (gradient_checkpointing_enable) with

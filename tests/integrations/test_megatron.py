@@ -318,18 +318,9 @@ def test_recompute_over_selective_recompute_exact(megatron, tmp_path, monkeypatc
 
 
 class NotLeftAsUser(AssertionError):
-    """The user's checkpointed blocks are not recorded as ``user`` (the xfail below)."""
+    """The user's checkpointed blocks are not recorded as ``user``."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotLeftAsUser,
-    reason="tba bug: a layer under megatron-core's recompute_granularity='full' (its reentrant "
-    "tensor_parallel.checkpoint runs the layer with grad off, no saved-tensor hooks pushed) is "
-    "not recognised as the user's checkpoint: group_policy says 'recompute' and "
-    "recomputed_groups counts layers tba never recomputed (NOTE [Block policy], item 4, looks "
-    "only for foreign saved-tensor hooks)",
-)
 def test_recompute_leaves_full_recompute_to_megatron(megatron, tmp_path, monkeypatch):
     """megatron-core's own full recompute with TBA_POLICY=recompute: exact (asserted first; a
     difference fails this test outright), and every layer left to megatron-core (``user``)."""
