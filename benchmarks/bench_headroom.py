@@ -1,11 +1,57 @@
 """Batch headroom on W1: the largest micro-batch that fits under a memory cap, without and with tba.
 
 Each trial is a fresh child process that builds W1 (``tba.testing.GPT(W1)``), takes a random
-batch of B sequences and runs forward+backward twice, with no optimizer, as bench_step does (the
-second step is tba's steady state: it has a prefetch plan, and for ``TBA_KEEP_LAST=auto`` a
-keep decision). "Fits" means the child exits 0; "does not fit" means the kernel OOM-killed it
-in its cgroup, or torch raised an out-of-memory error. For each mode the batch size is searched
-exponentially (1, 2, 4, ...) and then by bisection.
+batch of B sequences and runs forward+backward ``--steps`` times (default 2), with no optimizer,
+as bench_step does (the second step is tba's steady state: it has a prefetch plan, and for
+``TBA_KEEP_LAST=auto`` a keep decision). "Fits" means the child exits 0; "does not fit" means the
+kernel OOM-killed it in its cgroup, or torch raised an out-of-memory error (the output says in
+which step). For each mode the batch size is searched exponentially (1, 2, 4, ...) and then by
+bisection; the baseline (none) from ``--start``, the others from the baseline's result.
+
+Modes: ``none`` (no tba), ``tba`` (tba as configured: TBA_POLICY=offload unless ``--env`` says
+otherwise), ``checkpoint`` (no tba, every block under ``torch.utils.checkpoint``), ``auto`` (tba
+with TBA_POLICY=auto and a TBA_MEMORY_BUDGET the cap implies, below), and ``keep``,
+``offload`` (TBA_KEEP_LAST=0) and ``recompute`` (tba with that TBA_POLICY: auto's calibration
+references, searchable too).
+
+**auto's budget.** The budget bounds what tba accounts for (``peak_resident_bytes``; the
+chooser's predicted peak also counts a recomputed block's tensors during its backward, which is
+``peak_with_recompute_bytes``). The cap must also hold everything else: the model, its
+gradients, the allocator's and torch's overhead, tba's own pools, transient backward buffers.
+That "other" part is measured, not assumed: before the searches, each reference mode
+(``--auto-refs``, default ``keep``, ``offload`` = TBA_POLICY=offload with TBA_KEEP_LAST=0, and
+``recompute``) runs at the batch sizes of ``--auto-calibrate`` (default 16 and 32, near the
+batches auto reaches under 1280 MiB: "other" is not linear in B) with no cap;
+per trial ``other = peak charged - max over its steps of peak_with_recompute_bytes``, and a
+least-squares line ``other = fixed + per_seq x B`` is fitted per reference. Then, per auto
+trial at batch B: ``budget(B) = cap - max over the references of their other(B) -
+--auto-margin`` (default 64 MiB), passed as TBA_MEMORY_BUDGET in bytes. The charge's peak and
+tba's need not come at the same moment, so each subtraction is only a lower bound of "other" at
+the charge's peak; the references cover the moments that matter: keep peaks at the end of the
+forward, offload holds little all along (so its charge peak is mostly "other", which under
+offload grows with B and levels off: 444, 564, 724, 787 MiB at B = 4, 10, 16, 24 with
+tcmalloc, against 5 MiB per sequence under keep; read-back buffers in tba's pool, which
+``peak_resident_bytes`` does not count once free, and backward's buffers), recompute peaks
+while a block is recomputed. (Offload with adaptive keep is no reference: its tba peak is step
+1's kept block, its charge peak another moment; with it in place of offload, other(11) came out
+at 425 MiB where an all-offload auto trial measured 555 MiB.) The points, the lines, the
+formula and each trial's budget are printed and written to the JSON
+(``auto_budget``; ``budget`` per trial). ``--auto-fit`` skips the calibration with a line
+(``FIXED,PER_SEQ``) or an earlier run's JSON file.
+
+auto runs ``--auto-steps`` steps per trial (default 3; the other modes keep ``--steps``, 2, as
+recorded in BENCHMARKS.md): step 1 runs as offload (K=1 under adaptive keep, whatever the
+budget), auto decides when step 2 starts, and step 3 runs on what it learnt from step 2. The
+actions each step ran with are printed per trial (one letter per block: k, o, r), and a trial
+that does not fit says in which step it was killed. Step 1 keeps one block whatever the budget,
+so it can be what sets auto's max batch; ``--auto-env TBA_KEEP_LAST=0`` shows the difference.
+
+**Time per sequence.** After the searches, each mode runs again at its max batch, under the cap,
+``--time-rounds`` rounds (default 2; 0 skips it) with the modes in turn (the order rotates per
+round): ``--time-warmup`` untimed steps (default 2) and ``--time-steps`` timed ones (default 3).
+Seconds per sequence = the median of all timed steps / the batch. With tba, checkpoint and auto
+among the modes, the output checks issue 16's item: auto's max batch at least checkpoint's, at a
+time per sequence no worse than tba's at its own max batch.
 
 How the cap is enforced (``--mechanism``, default ``auto``: the first that works):
 
@@ -18,6 +64,8 @@ How the cap is enforced (``--mechanism``, default ``auto``: the first that works
 - ``rusage``: **no cap is enforced.** Every trial runs unconstrained and "fits" means its
   peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) stayed under the cap. Used only when no memory
   cgroup can be created; the output says so on every line that matters.
+
+Calibration trials (``--calibrate``, auto's budget) run in a group with no limit.
 
 RLIMIT_AS is not used: it limits virtual address space, and a torch process reserves far more
 than it touches (VmSize about 2x VmHWM for W1 at batch 1 here: thread stacks, malloc arenas, the
@@ -35,9 +83,15 @@ resident text.
     python benchmarks/bench_headroom.py --cap 6GiB --modes none,tba,checkpoint
     python benchmarks/bench_headroom.py --calibrate 4,8      # peak charge per mode, no cap
     python benchmarks/bench_headroom.py --env MALLOC_MMAP_THRESHOLD_=1048576 --json out.json
+    # issue 16's headroom item: the four modes, auto's budget calibrated, timed at the max batch
+    python benchmarks/bench_headroom.py --modes none,tba,checkpoint,auto \
+        --env LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 --json headroom.json
+    # auto's budget derivation alone, and auto at two batch sizes with no cap
+    python benchmarks/bench_headroom.py --calibrate 16,32 --modes auto --cap 1280MiB
 
 ``--env`` sets a variable for every trial of every mode (e.g. a ``TBA_*`` setting, which only
-tba trials read, or a glibc malloc tunable, which all read).
+tba trials read, or a glibc malloc tunable, which all read); ``--auto-env`` one for auto's
+trials only (after ``--env``; auto sets TBA_POLICY and TBA_MEMORY_BUDGET itself).
 """
 
 from __future__ import annotations
@@ -64,8 +118,43 @@ GiB = 1 << 30
 # charged at batch 8 and grows by about 115 MiB per sequence, so it fits 8 and not 9 here.
 DEFAULT_CAP = "1280MiB"
 RESULT_TAG = "HEADROOM_RESULT "
+STEP_TAG = "HEADROOM_STEP "
 EXIT_TRIAL_OOM = 3  # the trial caught an out-of-memory error from torch or Python
-MODES = ("none", "tba", "checkpoint")
+MODES = ("none", "tba", "checkpoint", "auto")
+# Trial modes that run tba, and the settings each sets over --env (tba: none, so TBA_POLICY=offload
+# with adaptive keep by default). keep, offload (every block written from step 1 on) and recompute
+# are the calibration references of auto's budget; they can be searched or calibrated too.
+TBA_MODES: dict[str, dict[str, str]] = {
+    "tba": {},
+    "auto": {"TBA_POLICY": "auto"},
+    "keep": {"TBA_POLICY": "keep"},
+    "offload": {"TBA_POLICY": "offload", "TBA_KEEP_LAST": "0"},
+    "recompute": {"TBA_POLICY": "recompute"},
+}
+TRIAL_MODES = (*MODES, "keep", "offload", "recompute")
+# stats() after every step of a tba trial, and after the last
+STEP_KEYS = (
+    "saved_bytes",
+    "peak_resident_bytes",
+    "peak_with_recompute_bytes",
+    "group_policy",
+    "keep_last",
+)
+FINAL_KEYS = (
+    "saved_bytes",
+    "peak_resident_bytes",
+    "peak_with_recompute_bytes",
+    "bytes_offloaded",
+    "tensors_kept",
+    "kept_reasons",
+    "sync_loads",
+    "backend",
+    "keep_last",
+    "keep_decision",
+    "group_policy",
+    "policy_decision",
+    "budget_decision",
+)
 
 
 # -- the trial (child process) -----------------------------------------------------------------
@@ -79,7 +168,11 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def trial_main(mode: str, batch_size: int, steps: int, spill_root: str) -> int:
-    """One trial: W1 at ``batch_size``, ``steps`` forward+backward steps; one result line."""
+    """One trial: W1 at ``batch_size``, ``steps`` forward+backward steps; one result line.
+
+    After each step it prints a step line (so the parent knows how far an OOM-killed trial got)
+    and, for the modes that run tba, that step's ``stats()``: peaks, saved bytes, block actions.
+    """
     out: dict = {"mode": mode, "batch": batch_size, "step_seconds": []}
     off = None
     try:
@@ -92,9 +185,10 @@ def trial_main(mode: str, batch_size: int, steps: int, spill_root: str) -> int:
         model = GPT(W1)
         batch = random_batch(W1, batch_size)
         model.checkpoint_blocks = mode == "checkpoint"
-        if mode == "tba":
+        if mode in TBA_MODES:  # the parent set TBA_POLICY (and TBA_MEMORY_BUDGET...) per mode
             off = tba.Offloader(tba.Config(spill_dir=spill_root))
-        for _ in range(steps):
+            out["tba_steps"] = []
+        for i in range(steps):
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             if off is not None:
@@ -105,24 +199,17 @@ def trial_main(mode: str, batch_size: int, steps: int, spill_root: str) -> int:
             loss.backward()
             out["step_seconds"].append(time.perf_counter() - t0)
             del loss
+            line = {"step": i + 1, "seconds": out["step_seconds"][-1]}
+            if off is not None:
+                st = off.stats()
+                per = {k: st.get(k) for k in STEP_KEYS}
+                out["tba_steps"].append(per)
+                line.update(per)
+            print(STEP_TAG + json.dumps(line), flush=True)
         out["ok"] = True
         if off is not None:
             st = off.stats()
-            out["tba"] = {
-                k: st.get(k)
-                for k in (
-                    "saved_bytes",
-                    "peak_resident_bytes",
-                    "bytes_offloaded",
-                    "tensors_kept",
-                    "kept_reasons",
-                    "sync_loads",
-                    "backend",
-                    "keep_last",
-                    "keep_decision",
-                )
-                if k in st
-            }
+            out["tba"] = {k: st.get(k) for k in FINAL_KEYS if k in st}
             out["tba_config"] = {
                 k: str(v) for k, v in off.config.as_dict().items() if k != "spill_dir"
             }
@@ -180,7 +267,7 @@ class Cap:
         )
 
     @contextlib.contextmanager
-    def group(self):
+    def group(self, capped: bool = True):
         yield None
 
     def wrap(self, argv: list[str], group) -> list[str]:
@@ -219,18 +306,20 @@ class CgroupCap(Cap):
     def _write(path: Path, value) -> None:
         path.write_text(f"{value}\n")
 
-    def make(self) -> Path:
+    def make(self, capped: bool = True) -> Path:
+        """A new group, limited to the cap (``capped``) or unlimited (a calibration trial)."""
         self._n += 1
         g = self.root / f"tba-headroom-{os.getpid()}-{self._n}"
         g.mkdir()
+        cap = self.cap if capped else None
         try:
-            limit = self.cap if self.cap is not None else "max"
+            limit = cap if cap is not None else "max"
             if self.version == 2:
                 self._write(g / "memory.max", limit)
                 if (g / "memory.swap.max").exists():
                     self._write(g / "memory.swap.max", 0)
             else:
-                limit = self.cap if self.cap is not None else -1
+                limit = cap if cap is not None else -1
                 self._write(g / "memory.limit_in_bytes", limit)
                 if (g / "memory.memsw.limit_in_bytes").exists():
                     self._write(g / "memory.memsw.limit_in_bytes", limit)
@@ -254,8 +343,8 @@ class CgroupCap(Cap):
         print(f"warning: could not remove cgroup {g}", file=sys.stderr)
 
     @contextlib.contextmanager
-    def group(self):
-        g = self.make()
+    def group(self, capped: bool = True):
+        g = self.make(capped)
         try:
             yield g
         finally:
@@ -353,6 +442,190 @@ def open_cap(cap_bytes: int | None, mechanism: str) -> tuple[Cap, list[str]]:
     return Cap(cap_bytes), notes
 
 
+# -- auto's budget ------------------------------------------------------------------------------
+MIN_BUDGET = 1 * MiB  # TBA_MEMORY_BUDGET's least number of bytes
+
+
+class AutoBudget:
+    """TBA_MEMORY_BUDGET for an auto trial at batch B: the cap less what the process holds
+    besides the saved tensors tba accounts for, less a margin.
+
+    ``lines`` maps a reference to (fixed, per_seq): the bytes charged at the trial's peak that
+    are not tba's ``peak_with_recompute_bytes``, as a + b*B (see :func:`calibrate_budget`).
+    other(B) is the largest of them at B; budget(B) = cap - other(B) - margin.
+    """
+
+    def __init__(self, cap: int, lines: dict[str, tuple[float, float]], margin: int, source: str):
+        self.cap = cap
+        self.lines = lines
+        self.margin = margin
+        self.source = source
+
+    def other(self, b: int) -> tuple[float, str]:
+        return max((f + p * b, ref) for ref, (f, p) in self.lines.items())
+
+    def at(self, b: int) -> dict:
+        other, ref = self.other(b)
+        return {
+            "batch": b,
+            "cap_bytes": self.cap,
+            "other_bytes": int(other),
+            "other_from": ref,
+            "margin_bytes": self.margin,
+            "budget_bytes": int(self.cap - other - self.margin),
+        }
+
+    def formula(self) -> str:
+        terms = [
+            f"{f / MiB:.0f} MiB + {p / MiB:.2f} MiB x B ({ref})"
+            for ref, (f, p) in self.lines.items()
+        ]
+        return (
+            f"budget(B) = cap {self.cap / MiB:.0f} MiB - other(B) - margin "
+            f"{self.margin / MiB:.0f} MiB, other(B) = max of: " + "; ".join(terms)
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "cap_bytes": self.cap,
+            "margin_bytes": self.margin,
+            "source": self.source,
+            "lines": {
+                ref: {"fixed_bytes": f, "bytes_per_sequence": p}
+                for ref, (f, p) in self.lines.items()
+            },
+            "formula": self.formula(),
+        }
+
+
+def _charged(rec: dict) -> int | None:
+    """The trial's peak charge: the cgroup's, else (rusage) its peak RSS."""
+    return rec.get("peak_charged_bytes") or rec.get("ru_maxrss_bytes")
+
+
+def _tba_peak(rec: dict) -> int | None:
+    """tba's own peak over the trial's steps: resident saved bytes, a recomputed block's
+    tensors during its backward included (``peak_with_recompute_bytes``)."""
+    per = (rec.get("child") or {}).get("tba_steps") or []
+    got = [x.get("peak_with_recompute_bytes") for x in per]
+    got = [x for x in got if x is not None]
+    return max(got) if got else None
+
+
+def calibrate_budget(runner: Runner, cap: int, sizes: list[int], refs: list[str]) -> dict:
+    """Run each reference (a tba mode: keep, offload, recompute) at ``sizes`` with no
+    cap; per trial, other = peak charged - tba's peak (peak_with_recompute_bytes, max over the
+    steps); fit other = a + b*B per reference by least squares. Sets ``runner.budget``."""
+    print(
+        f"auto: calibrating its budget: {', '.join(refs)} at batch {', '.join(map(str, sizes))}, "
+        "no cap; other = peak charged - tba's peak resident (recompute's included)",
+        flush=True,
+    )
+    points: dict[str, list[dict]] = {}
+    lines: dict[str, tuple[float, float]] = {}
+    for ref in refs:
+        points[ref] = []
+        for b in sizes:
+            r = runner.trial(ref, b, capped=False, purpose="budget")
+            charged, tpeak = _charged(r), _tba_peak(r)
+            if r["verdict"] != "fits" or charged is None or tpeak is None:
+                raise SystemExit(f"bench_headroom: budget calibration {ref} B={b}: {r['why']}")
+            saved = ((r.get("child") or {}).get("tba_steps") or [{}])[-1].get("saved_bytes")
+            points[ref].append(
+                {
+                    "batch": b,
+                    "peak_charged_bytes": charged,
+                    "tba_peak_bytes": tpeak,
+                    "saved_bytes": saved,
+                    "other_bytes": charged - tpeak,
+                }
+            )
+        fit = _fit([(p["batch"], p["other_bytes"]) for p in points[ref]])
+        lines[ref] = (fit["fixed_bytes"], fit["bytes_per_sequence"])
+        for p in points[ref]:
+            p["residual_bytes"] = p["other_bytes"] - (lines[ref][0] + lines[ref][1] * p["batch"])
+    margin = _size(runner.args.auto_margin)
+    runner.budget = AutoBudget(cap, lines, margin, f"calibrated at batch {sizes} ({refs})")
+    print()
+    print(f"{'reference':<11}{'batch':>6}{'charged':>10}{'tba peak':>10}{'saved':>10}{'other':>10}")
+    for ref in refs:
+        for p in points[ref]:
+            print(
+                f"{ref:<11}{p['batch']:>6}{_fmt_mib(p['peak_charged_bytes']):>10}"
+                f"{_fmt_mib(p['tba_peak_bytes']):>10}{_fmt_mib(p['saved_bytes']):>10}"
+                f"{_fmt_mib(p['other_bytes']):>10}"
+            )
+    print(runner.budget.formula())
+    return {"points": points, **runner.budget.as_dict()}
+
+
+def given_budget(runner: Runner, cap: int, text: str) -> dict:
+    """--auto-fit FIXED,PER_SEQ: other(B) = FIXED + PER_SEQ x B, from an earlier calibration;
+    or the JSON file of an earlier run: its calibrated lines (``auto_budget``)."""
+    margin = _size(runner.args.auto_margin)
+    if os.path.isfile(text):
+        with open(text) as f:
+            got = json.load(f)["auto_budget"]["lines"]
+        lines = {
+            k: (float(v["fixed_bytes"]), float(v["bytes_per_sequence"])) for k, v in got.items()
+        }
+    else:
+        fixed, _, per = text.partition(",")
+        lines = {"given": (float(_size(fixed)), float(_size(per)))}
+    runner.budget = AutoBudget(cap, lines, margin, f"--auto-fit {text}")
+    print(f"auto: {runner.budget.formula()}")
+    return runner.budget.as_dict()
+
+
+def time_at_max(runner: Runner, res: dict, modes: list[str]) -> dict:
+    """Each mode at its max batch, under the cap, ``--time-rounds`` rounds with the modes in
+    turn (the order rotates per round): ``--time-warmup`` steps, then ``--time-steps`` timed
+    ones. Seconds per sequence = the median timed step / the batch."""
+    a = runner.args
+    todo = [m for m in modes if (res["modes"][m].get("max_batch") or 0) > 0]
+    out: dict = {
+        m: {"batch": res["modes"][m]["max_batch"], "timed_steps": [], "rounds": []} for m in todo
+    }
+    print(
+        f"timing at the max batch: {a.time_rounds} rounds, {a.time_warmup} warm-up + "
+        f"{a.time_steps} timed steps per trial, modes in turn, under the cap",
+        flush=True,
+    )
+    for r in range(a.time_rounds):
+        order = todo[r % len(todo) :] + todo[: r % len(todo)] if todo else []
+        for m in order:
+            b = out[m]["batch"]
+            rec = runner.trial(m, b, a.time_warmup + a.time_steps, purpose=f"time {r + 1}")
+            steps = ((rec.get("child") or {}).get("step_seconds") or [])[a.time_warmup :]
+            ok = rec["verdict"] == "fits"
+            out[m]["rounds"].append(
+                {
+                    "verdict": rec["verdict"],
+                    "why": rec["why"],
+                    "step_seconds": steps,
+                    "median": _median(steps) if ok and steps else None,
+                }
+            )
+            if ok:
+                out[m]["timed_steps"].extend(steps)
+    for m in todo:
+        med = _median(out[m]["timed_steps"]) if out[m]["timed_steps"] else None
+        out[m]["median_step_seconds"] = med
+        out[m]["seconds_per_sequence"] = None if med is None else med / out[m]["batch"]
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def _actions(policy) -> str:
+    """A step's block actions, one letter each: k(eep), o(ffload), r(ecompute), u(ser)."""
+    return "".join((x or "?")[0] for x in policy) if policy else "-"
+
+
 # -- the parent ---------------------------------------------------------------------------------
 class Runner:
     def __init__(self, args, cap: Cap, spill_root: str):
@@ -366,8 +639,42 @@ class Runner:
             p for p in (root, self.env.get("PYTHONPATH", "")) if p
         )
         self.trials: list[dict] = []
+        self.budget: AutoBudget | None = None  # auto's budget per batch, once calibrated
 
-    def trial(self, mode: str, b: int) -> dict:
+    def steps_for(self, mode: str) -> int:
+        """Steps of a search or calibration trial: --steps, and --auto-steps for auto."""
+        return self.args.auto_steps if mode == "auto" else self.args.steps
+
+    def trial(
+        self, mode: str, b: int, steps: int | None = None, capped: bool = True, purpose: str = ""
+    ) -> dict:
+        """One child process at batch ``b``: under the cap (``capped``) or in an unlimited
+        group (calibration), ``steps`` steps (default: :meth:`steps_for`)."""
+        steps = steps or self.steps_for(mode)
+        env = dict(self.env)
+        rec: dict = {"mode": mode, "batch": b, "steps": steps, "capped": capped}
+        if purpose:
+            rec["purpose"] = purpose
+        if TBA_MODES.get(mode):
+            env.update(TBA_MODES[mode])
+            rec["tba_env"] = dict(TBA_MODES[mode])
+        if mode == "auto":
+            env.update(self.args.auto_env)
+            if self.budget is None:
+                raise RuntimeError("bench_headroom: auto needs its budget calibrated first")
+            got = self.budget.at(b)
+            rec["budget"] = got
+            if got["budget_bytes"] < MIN_BUDGET:
+                rec.update(returncode=None, wall_seconds=0.0, verdict="no")
+                rec["why"] = (
+                    f"not run: the budget the cap implies is {got['budget_bytes'] / MiB:.0f} MiB "
+                    f"(below {MIN_BUDGET / MiB:.0f} MiB, TBA_MEMORY_BUDGET's least): the rest of "
+                    "the process alone is predicted to fill the cap"
+                )
+                self.trials.append(rec)
+                self._log(rec)
+                return rec
+            env["TBA_MEMORY_BUDGET"] = str(got["budget_bytes"])
         argv = [
             sys.executable,
             os.path.abspath(__file__),
@@ -375,17 +682,18 @@ class Runner:
             mode,
             str(b),
             "--steps",
-            str(self.args.steps),
+            str(steps),
             "--spill-dir",
             self.spill_root,
         ]
-        timeout = self.args.trial_timeout or max(180.0, 20.0 * b * self.args.steps)
+        timeout = self.args.trial_timeout or max(180.0, 20.0 * b * steps)
+        limit = self.cap.cap if capped else None
         t0 = time.perf_counter()
         peaks: dict[str, int] = {}
-        with self.cap.group() as g:
+        with self.cap.group(capped) as g:
             proc = subprocess.Popen(
                 self.cap.wrap(argv, g),
-                env=self.env,
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -400,9 +708,9 @@ class Runner:
                 while not stop.wait(0.05):
                     for k, v in self.cap.stat(g).items():
                         peaks[k] = max(peaks.get(k, 0), v)
-                    if not self.cap.enforced and self.cap.cap is not None:
+                    if not self.cap.enforced and limit is not None:
                         rss = _rss_of(proc.pid)
-                        if rss is not None and rss > self.cap.cap:
+                        if rss is not None and rss > limit:
                             watchdog.append(rss)
                             proc.kill()
                             return
@@ -419,33 +727,45 @@ class Runner:
             stop.set()
             w.join()
             info = self.cap.read(g)
-        rec = {"mode": mode, "batch": b, "returncode": proc.returncode}
+        rec["returncode"] = proc.returncode
         rec["wall_seconds"] = time.perf_counter() - t0
         rec.update(info)
         rec["max_charged"] = peaks
         child = None
+        done = []
         for line in stdout.splitlines():
             if line.startswith(RESULT_TAG):
                 child = json.loads(line[len(RESULT_TAG) :])
+            elif line.startswith(STEP_TAG):
+                done.append(json.loads(line[len(STEP_TAG) :]))
+        rec["steps_done"] = len(done)
         if child is not None:
             rec["child"] = child
             rec["ru_maxrss_bytes"] = child.get("ru_maxrss_bytes")
+        elif done:  # killed: what the steps it finished said
+            rec["child"] = {
+                "step_seconds": [d["seconds"] for d in done],
+                "tba_steps": [{k: d.get(k) for k in STEP_KEYS} for d in done if "saved_bytes" in d],
+            }
+        killed_in = f" in step {len(done) + 1} of {steps}"
         if watchdog:
             rec["ru_maxrss_bytes"] = rec.get("ru_maxrss_bytes") or watchdog[0]
             rec["verdict"] = "no"
-            rec["why"] = f"RSS {watchdog[0] / MiB:.0f} MiB above the cap: killed (not enforced)"
+            rec["why"] = f"RSS {watchdog[0] / MiB:.0f} MiB above the cap{killed_in}: killed"
+            rec["why"] += " (not enforced)"
         elif timed_out:
             rec["verdict"], rec["why"] = "no", f"timed out after {timeout:.0f} s (thrashing?)"
         elif proc.returncode == 0 and child is not None and child.get("ok"):
             rss = child.get("ru_maxrss_bytes") or 0
-            if not self.cap.enforced and self.cap.cap is not None and rss > self.cap.cap:
+            if not self.cap.enforced and limit is not None and rss > limit:
                 rec["verdict"], rec["why"] = "no", "peak RSS above the cap (not enforced)"
             else:
                 rec["verdict"], rec["why"] = "fits", ""
         elif proc.returncode == -9 and (info.get("oom_kills", 0) > 0 or not self.cap.enforced):
-            rec["verdict"], rec["why"] = "no", "OOM-killed in its cgroup"
+            rec["verdict"], rec["why"] = "no", f"OOM-killed in its cgroup{killed_in}"
         elif proc.returncode == EXIT_TRIAL_OOM:
-            rec["verdict"], rec["why"] = "no", f"out of memory: {child.get('error', '')}"
+            rec["verdict"] = "no"
+            rec["why"] = f"out of memory{killed_in}: {child.get('error', '')}"
         else:
             tail = (stderr or "").strip().splitlines()[-5:]
             rec["verdict"] = "error"
@@ -460,19 +780,34 @@ class Runner:
         peak = rec.get("peak_charged_bytes")
         rss = rec.get("ru_maxrss_bytes")
         extra = []
+        if rec.get("budget"):
+            extra.append(f"budget {rec['budget']['budget_bytes'] / MiB:.0f} MiB")
         if peak is not None:
             extra.append(f"peak charged {peak / MiB:7.0f} MiB")
         if rss:
             extra.append(f"peak RSS {rss / MiB:7.0f} MiB")
         if steps:
             extra.append("steps " + ", ".join(f"{s:.1f}" for s in steps) + " s")
-        keep = (child.get("tba") or {}).get("keep_last")
-        if keep is not None:
-            extra.append(f"keep_last {keep}")
+        per = child.get("tba_steps") or []
+        if per:
+            extra.append(
+                "tba peak "
+                + ", ".join(_fmt_mib(x.get("peak_with_recompute_bytes")) for x in per)
+                + f" of saved {_fmt_mib(per[-1].get('saved_bytes'))}"
+            )
+        if rec["mode"] in ("auto", "recompute"):
+            acts = [_actions(x.get("group_policy")) for x in per]
+            if acts:
+                extra.append("blocks " + " | ".join(acts))
+        else:
+            keep = (child.get("tba") or {}).get("keep_last")
+            if keep is not None:
+                extra.append(f"keep_last {keep}")
         if rec["why"]:
             extra.append(rec["why"])
+        label = rec["mode"] + (f" [{rec['purpose']}]" if rec.get("purpose") else "")
         print(
-            f"  {rec['mode']:<11} B={rec['batch']:<4} {rec['verdict']:<6} "
+            f"  {label:<11} B={rec['batch']:<4} {rec['verdict']:<6} "
             f"{rec['wall_seconds']:6.1f} s  " + "; ".join(extra),
             flush=True,
         )
@@ -552,7 +887,11 @@ def _fmt_mib(n) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cap", default=DEFAULT_CAP, help=f"memory cap (default {DEFAULT_CAP})")
-    ap.add_argument("--modes", default="none,tba", help="comma-separated: none, tba, checkpoint")
+    ap.add_argument(
+        "--modes",
+        default="none,tba",
+        help="comma-separated: none, tba, checkpoint, auto (and keep, recompute: tba's policies)",
+    )
     ap.add_argument(
         "--mechanism",
         choices=("auto", "cgroup2", "cgroup1", "rusage"),
@@ -560,6 +899,43 @@ def main(argv=None) -> int:
         help="how the cap is enforced (default: the first usable cgroup, else rusage)",
     )
     ap.add_argument("--steps", type=int, default=2, help="forward+backward steps per trial")
+    ap.add_argument(
+        "--auto-steps",
+        type=int,
+        default=3,
+        help="steps per auto trial (default 3: step 1 runs as offload, auto decides before "
+        "step 2, step 3 runs on what it learnt from step 2)",
+    )
+    ap.add_argument(
+        "--auto-calibrate",
+        default="16,32",
+        metavar="B,B,...",
+        help="batch sizes of auto's budget calibration (default 16,32; no cap)",
+    )
+    ap.add_argument(
+        "--auto-refs",
+        default="keep,offload,recompute",
+        help="tba modes whose non-tba memory calibrates auto's budget (default all three)",
+    )
+    ap.add_argument(
+        "--auto-fit",
+        metavar="FIXED,PER_SEQ|JSON",
+        help="skip the calibration: other(B) = FIXED + PER_SEQ x B (sizes, e.g. 300MiB,20MiB), "
+        "or the lines calibrated in an earlier run's --json file",
+    )
+    ap.add_argument(
+        "--auto-margin",
+        default="64MiB",
+        help="safety margin taken off auto's budget (default 64MiB)",
+    )
+    ap.add_argument(
+        "--time-rounds",
+        type=int,
+        default=2,
+        help="rounds of timed trials at each mode's max batch (default 2; 0: none)",
+    )
+    ap.add_argument("--time-warmup", type=int, default=2, help="untimed steps per timed trial")
+    ap.add_argument("--time-steps", type=int, default=3, help="timed steps per timed trial")
     ap.add_argument(
         "--start",
         type=int,
@@ -570,6 +946,14 @@ def main(argv=None) -> int:
     ap.add_argument("--trial-timeout", type=float, default=0, help="seconds (0: by batch size)")
     ap.add_argument("--spill-dir", default="/var/tmp", help="root of the spill dir (local disk)")
     ap.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--auto-env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a variable for auto's trials only, after --env (e.g. TBA_KEEP_LAST=0)",
+    )
     ap.add_argument(
         "--calibrate",
         metavar="B,B,...",
@@ -585,10 +969,14 @@ def main(argv=None) -> int:
     from _machine import machine_line
 
     args.env = dict(args.env)
+    args.auto_env = dict(args.auto_env)
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in TRIAL_MODES]
     if bad:
-        ap.error(f"unknown mode(s) {bad}; choose from {MODES}")
+        ap.error(f"unknown mode(s) {bad}; choose from {TRIAL_MODES}")
+    refs = [m for m in args.auto_refs.split(",") if m]
+    if any(m not in TBA_MODES or m == "auto" for m in refs):
+        ap.error(f"--auto-refs: tba modes other than auto ({refs})")
     cap_bytes = None if args.calibrate else _size(args.cap)
     cap, notes = open_cap(cap_bytes, args.mechanism)
     machine = machine_line(args.spill_dir)
@@ -608,33 +996,50 @@ def main(argv=None) -> int:
         print("!" * 100)
     if args.env:
         print(f"trial environment: {' '.join(f'{k}={v}' for k, v in args.env.items())}")
+    if args.auto_env:
+        print(f"auto's trials also: {' '.join(f'{k}={v}' for k, v in args.auto_env.items())}")
 
     spill_root = tempfile.mkdtemp(prefix="tba-headroom-", dir=args.spill_dir)
     runner = Runner(args, cap, spill_root)
     res: dict = {
         "workload": "W1 (tba.testing.W1), forward+backward, no optimizer",
         "steps_per_trial": args.steps,
+        "auto_steps_per_trial": args.auto_steps if "auto" in modes else None,
         "mechanism": cap.name,
         "mechanism_detail": cap.describe(),
         "cap_enforced": cap.enforced,
         "mechanisms_not_used": notes,
         "env": args.env,
+        "auto_env": args.auto_env,
         "machine": machine,
         "dirty_files": dirty,
     }
     try:
+        if "auto" in modes:  # its budget first: every auto trial needs it
+            budget_cap = _size(args.cap)
+            if args.auto_fit:
+                res["auto_budget"] = given_budget(runner, budget_cap, args.auto_fit)
+            else:
+                sizes = [int(x) for x in args.auto_calibrate.split(",") if x]
+                res["auto_budget"] = calibrate_budget(runner, budget_cap, sizes, refs)
+            print()
         if args.calibrate:
             sizes = [int(x) for x in args.calibrate.split(",") if x]
             res["calibration"] = {m: [runner.trial(m, b) for b in sizes] for m in modes}
             print()
-            print(f"{'mode':<12}{'batch':>6}{'peak charged':>14}{'peak RSS':>12}{'step 2 (s)':>12}")
+            print(
+                f"{'mode':<12}{'batch':>6}{'peak charged':>14}{'peak RSS':>12}"
+                f"{'last step (s)':>15}{'tba peak':>10}{'budget':>10}"
+            )
             for m in modes:
                 for r in res["calibration"][m]:
                     steps = (r.get("child") or {}).get("step_seconds") or [None]
                     st = "-" if steps[-1] is None else f"{steps[-1]:.2f}"
+                    bud = (r.get("budget") or {}).get("budget_bytes")
                     print(
                         f"{m:<12}{r['batch']:>6}{_fmt_mib(r.get('peak_charged_bytes')):>14}"
-                        f"{_fmt_mib(r.get('ru_maxrss_bytes')):>12}{st:>12}"
+                        f"{_fmt_mib(r.get('ru_maxrss_bytes')):>12}{st:>15}"
+                        f"{_fmt_mib(_tba_peak(r)):>10}{_fmt_mib(bud):>10}"
                     )
         else:
             res["cap_bytes"] = cap_bytes
@@ -648,6 +1053,9 @@ def main(argv=None) -> int:
                 print(f"searching {m} from batch {start} ...", flush=True)
                 res["modes"][m] = runner.search(m, start)
                 res["modes"][m]["fit"] = _linear_fit(res["modes"][m]["trials"])
+            if args.time_rounds > 0:
+                print()
+                res["timing"] = time_at_max(runner, res, modes)
             _report(res, modes)
     finally:
         cap.close()
@@ -677,7 +1085,14 @@ def _linear_fit(trials: list[dict]) -> dict | None:
     ]
     if len({b for b, _ in pts}) < 2:
         return None
+    return _fit(pts)
+
+
+def _fit(pts: list[tuple[int, float]]) -> dict:
+    """Least squares y = a + b*x over at least two distinct x."""
     n = len(pts)
+    if len({x for x, _ in pts}) < 2:
+        raise SystemExit(f"bench_headroom: a line needs two distinct batch sizes, got {pts}")
     mx = sum(b for b, _ in pts) / n
     my = sum(y for _, y in pts) / n
     slope = sum((b - mx) * (y - my) for b, y in pts) / sum((b - mx) ** 2 for b, _ in pts)
@@ -687,14 +1102,16 @@ def _linear_fit(trials: list[dict]) -> dict | None:
 def _report(res: dict, modes: list[str]) -> None:
     enforced = res["cap_enforced"]
     print()
+    steps = f"{res['steps_per_trial']} steps per trial"
+    if res.get("auto_steps_per_trial"):
+        steps += f" ({res['auto_steps_per_trial']} for auto)"
     print(
         f"W1 max micro-batch under a {res['cap']} cap ({res['mechanism']}"
-        f"{'' if enforced else ', NOT ENFORCED: peak RSS compared with the cap'}), "
-        f"{res['steps_per_trial']} steps per trial"
+        f"{'' if enforced else ', NOT ENFORCED: peak RSS compared with the cap'}), {steps}"
     )
     print(
         f"{'mode':<12}{'max batch':>10}{'fails at':>10}{'peak charged':>14}{'peak RSS':>11}"
-        f"{'step (s)':>10}{'s/seq':>8}  tba"
+        f"{'last step':>11}{'s/seq':>8}  tba"
     )
     for m in modes:
         r = res["modes"][m]
@@ -714,12 +1131,19 @@ def _report(res: dict, modes: list[str]) -> None:
                 f"{_fmt_mib(t.get('peak_resident_bytes'))} "
                 f"of saved {_fmt_mib(t.get('saved_bytes'))}"
             )
+        if at.get("budget"):
+            per = child.get("tba_steps") or []
+            tinfo = (
+                f"budget {_fmt_mib(at['budget']['budget_bytes'])}, tba peak "
+                f"{_fmt_mib(_tba_peak(at))} of saved {_fmt_mib(t.get('saved_bytes'))}, blocks "
+                + " | ".join(_actions(x.get("group_policy")) for x in per)
+            )
         step_s = "-" if step is None else f"{step:.2f}"
         per_seq = "-" if step is None or not r["max_batch"] else f"{step / r['max_batch']:.3f}"
         print(
             f"{m:<12}{r['max_batch']:>10}{'-' if fails is None else fails:>10}"
             f"{_fmt_mib(at.get('peak_charged_bytes')):>14}{_fmt_mib(at.get('ru_maxrss_bytes')):>11}"
-            f"{step_s:>10}{per_seq:>8}  {tinfo}"
+            f"{step_s:>11}{per_seq:>8}  {tinfo}"
         )
     for m in modes:
         fit = res["modes"][m].get("fit")
@@ -729,6 +1153,8 @@ def _report(res: dict, modes: list[str]) -> None:
                 f"{fit['bytes_per_sequence'] / MiB:.1f} MiB x batch (least squares over "
                 f"{fit['points']} fitting trials)"
             )
+    if res.get("auto_budget"):
+        print(f"  auto: {res['auto_budget']['formula']}")
     base = res["modes"].get("none", {}).get("max_batch")
     for m in modes:
         if m == "none":
@@ -739,6 +1165,55 @@ def _report(res: dict, modes: list[str]) -> None:
             print(f"max batch {m} / none: {got} / {base} = {got / base:.2f}x")
         elif base == 0:
             print(f"max batch {m} / none: the baseline does not fit batch 1 under this cap")
+    timing = res.get("timing")
+    if timing:
+        print()
+        print(
+            "time per sequence at the max batch (under the cap; median of the timed steps of "
+            "all rounds; per round: its median)"
+        )
+        print(f"{'mode':<12}{'batch':>6}{'step (s)':>10}{'s/seq':>8}  rounds")
+        for m in modes:
+            t = timing.get(m)
+            if not t:
+                continue
+            med = t.get("median_step_seconds")
+            sps = t.get("seconds_per_sequence")
+            rounds = ", ".join(
+                f"{x['median']:.2f}" if x["median"] is not None else f"{x['verdict']} ({x['why']})"
+                for x in t["rounds"]
+            )
+            print(
+                f"{m:<12}{t['batch']:>6}{'-' if med is None else f'{med:.2f}':>10}"
+                f"{'-' if sps is None else f'{sps:.3f}':>8}"
+                f"  {rounds}"
+            )
+    _acceptance(res, modes)
+
+
+def _acceptance(res: dict, modes: list[str]) -> None:
+    """Issue 16's item, when auto ran with tba and checkpoint: auto's max batch at least
+    checkpoint's, at a time per sequence no worse than tba's at its own max batch."""
+    if not {"auto", "tba", "checkpoint"} <= set(modes):
+        return
+    got = {m: res["modes"][m].get("max_batch") for m in ("auto", "tba", "checkpoint")}
+    checks = {}
+    if got["auto"] is not None and got["checkpoint"] is not None:
+        checks["max batch auto >= checkpoint"] = (
+            got["auto"] >= got["checkpoint"],
+            f"{got['auto']} vs {got['checkpoint']}",
+        )
+    timing = res.get("timing") or {}
+    sa = (timing.get("auto") or {}).get("seconds_per_sequence")
+    st = (timing.get("tba") or {}).get("seconds_per_sequence")
+    if sa is not None and st is not None:
+        checks["s/seq auto <= tba (each at its max batch)"] = (
+            sa <= st,
+            f"{sa:.3f} vs {st:.3f} ({sa / st:.3f}x)",
+        )
+    res["acceptance"] = {k: {"pass": ok, "detail": d} for k, (ok, d) in checks.items()}
+    for k, (ok, d) in checks.items():
+        print(f"issue 16: {k}: {'PASS' if ok else 'FAIL'} ({d})")
 
 
 if __name__ == "__main__":
