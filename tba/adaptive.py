@@ -58,7 +58,12 @@ __all__ = [
 
 log = logging.getLogger("tba")
 
-FIRST_K = 1  # K for the first step, before anything was measured
+# K for the first step, before anything was measured; 0 when memory is bounded
+# (TBA_MEMORY_BUDGET or TBA_POLICY=auto): a kept block on step 1 broke the budget on the step
+# where it matters first (bench_headroom: W1's first step peaked at 204 MiB against 82 after,
+# and every trial over the cap was killed in step 1). Step 1 still writes and reads every
+# block, so it measures the disk either way.
+FIRST_K = 1
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,12 @@ class KeepController:
         every: int = 20,
         budget: int | float | None = None,
         pacer: Pacer | None = None,
+        bounded: bool = False,
     ):
         self.pacer = pacer or Pacer()
         self.auto = setting == "auto"
-        self.k = FIRST_K if self.auto else int(setting)
+        first = 0 if bounded or budget is not None else FIRST_K
+        self.k = first if self.auto else int(setting)
         self.prefetch = prefetch_bytes
         self.every = every
         self.budget = budget

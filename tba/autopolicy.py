@@ -39,7 +39,8 @@ class PolicyController:
     tba/recompute.py); chooses them for ``auto`` (NOTE [Chooser] in tba/chooser.py), deciding
     as adaptive keep does: after step 1, every ``every`` steps, at once on a bandwidth drift of
     more than 25% or a step that stalled more than 1%. Until it has decided, ``auto`` is
-    ``offload`` (the last TBA_KEEP_LAST blocks kept)."""
+    ``offload`` (the last TBA_KEEP_LAST blocks kept; with adaptive keep, none on step 1:
+    FIRST_K in tba/adaptive.py)."""
 
     def __init__(self, policy: str, forced: Any, every: int = 20, pacer: Pacer | None = None):
         self.pacer = pacer or Pacer()

@@ -77,7 +77,10 @@ class Offloader:
             backend.close()
             raise
         self.keeper = KeepController(
-            config.keep_last, config.prefetch_bytes, budget=config.memory_budget
+            config.keep_last,
+            config.prefetch_bytes,
+            budget=config.memory_budget,
+            bounded=config.policy == "auto",  # bounded by auto's default budget share
         )
         scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
         self.depth = DepthController(config.prefetch_bytes, scaled=scaled)

@@ -202,6 +202,20 @@ def test_auto_keep_in_the_offloader_decides_after_step_one(make_offloader):
     assert set(st["keep_decision"]["candidates"]) == set(range(CFG.layers + 1))
 
 
+@pytest.mark.parametrize(
+    "settings, first",
+    [({}, 1), ({"policy": "auto"}, 0), ({"memory_budget": 0.5}, 0), ({"keep_last": 2}, 2)],
+)
+def test_first_step_keeps_no_block_when_memory_is_bounded(make_offloader, settings, first):
+    """Adaptive keep's step 1 keeps one block, unless a budget bounds memory (TBA_MEMORY_BUDGET,
+    or auto's default share): then none, so that step 1 is within it too (FIRST_K)."""
+    off = make_offloader(**{"keep_last": "auto", **settings})
+    train(off, steps=1)
+    st = off.stats()
+    assert st["keep_last"] == first or st["keep_decision"]["step"] == 1  # before any decision
+    assert st["group_policy"].count("keep") == first
+
+
 def test_trace_records_every_group_and_step(make_offloader, tmp_path):
     path = tmp_path / "trace.jsonl"
     off = make_offloader(trace=str(path), keep_last=1)

@@ -168,10 +168,7 @@ def test_recompute_offload_offloads_the_checkpoint_inputs_and_stays_exact(make_o
         torch.manual_seed(0)
         model = GPT(CFG)
         torch.manual_seed(1)  # dropout
-        if off is None:
-            loss = model(*random_batch(CFG, 4))
-        else:
-            loss = run_step(off, model)
+        loss = model(*random_batch(CFG, 4)) if off is None else run_step(off, model)
         loss.backward()
         return [p.grad for p in model.parameters()]
 
