@@ -28,6 +28,19 @@ log = logging.getLogger("tba")
 # the controller decides again (paced as any decision), so the first decision's guess is
 # corrected at the next step rather than 20 steps later (the schedule).
 
+# NOTE [Compute per action]
+# A block computes at different speeds by action: offloading, it packs, copies and queues writes
+# in forward and waits on unpacks in backward, which on W1's 2-core CPU made a block's forward
+# 0.23 s against 0.19 s kept or recomputed, and its backward 0.43 s against 0.375 s. Charged the
+# times of the step it last ran (all offloaded on step 1), every other assignment was predicted
+# that much slower. So the controller keeps, per block, the forward and backward seconds of the
+# last step that ran it with each action (``Cost.times``), and the chooser charges a block the
+# times of the action it is given; an action not yet measured borrows a stand-in's
+# (``STAND_INS`` in tba/chooser.py: a kept block computes as a recomputed one does in its
+# first pass), else the times of the step just run. A stored time never counts for more than
+# the step just run measured: one taken on a cold first step cannot make an action look dearer
+# than it now is, which would keep auto from ever running it, and measuring it, again.
+
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
 # step's saved bytes (the target the issue sets for the defaults). Read by
 # Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
@@ -54,6 +67,8 @@ class PolicyController:
         self.block_bytes: dict[int, tuple[int, int]] = {}  # block -> (saved, input) measured
         # block -> (recompute, forward) seconds of the last step that recomputed it
         self.block_recompute: dict[int, tuple[float, float]] = {}
+        # block -> action -> (fwd, bwd) of the last step that ran it so (NOTE [Compute per action])
+        self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
         self.learned = False  # a block's recompute was measured for the first time
         self.decision: dict[str, Any] = {
             "policy": policy,
@@ -165,7 +180,10 @@ class PolicyController:
             first = x["fwd_seconds"] if rec or act == "user" else 0.0
             bwd = x["bwd_seconds"] - (again or first)
             blocks.append((len(groups), b))
-            groups.append(Cost(x["fwd_seconds"], max(0.0, bwd), saved, inputs))
+            if act != "user":
+                self.block_times.setdefault(b, {})[act] = (x["fwd_seconds"], max(0.0, bwd))
+            times = tuple((k, f, w) for k, (f, w) in sorted(self.block_times.get(b, {}).items()))
+            groups.append(Cost(x["fwd_seconds"], max(0.0, bwd), saved, inputs, times=times))
             b += 1
         if self.block_recompute:
             ratio = sum(r for r, _ in self.block_recompute.values()) / max(

@@ -49,6 +49,16 @@ KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local sear
 DESCENTS = 3  # of those and the uniform ones, how many the search descends from
 
 
+# whose measured times stand for an action's when it has none of its own, in order: a kept
+# block computes as a recomputed one does in its first pass (no packing, no writes), and the
+# two recompute actions compute alike
+STAND_INS = {
+    "keep": ("keep", "recompute", "recompute_offload"),
+    "recompute": ("recompute", "recompute_offload"),
+    "recompute_offload": ("recompute_offload", "recompute"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """One group of a measured (or planned) step."""
@@ -62,6 +72,20 @@ class Cost:
     # than the forward on a CPU: W1's blocks took 0.125 s again against 0.19 s the first time
     # (the first forward touches fresh memory and records the graph).
     recompute: float | None = None
+    # (action, fwd, bwd) as measured the last time the block ran with that action (bwd without
+    # a recompute); predict() charges a block the times of the action it is given, where
+    # measured (NOTE [Compute per action] in tba/autopolicy.py), else fwd and bwd
+    times: tuple[tuple[str, float, float], ...] = ()
+
+    def compute(self, action: str) -> tuple[float, float]:
+        """Forward and backward seconds of this group run with ``action``: its measured (or a
+        stand-in's) times, never more than ``fwd`` and ``bwd``, the step just run."""
+        got = {a: (f, b) for a, f, b in self.times}
+        for a in STAND_INS.get(action, (action,)):
+            if a in got:
+                f, b = got[a]
+                return min(f, self.fwd), min(b, self.bwd)
+        return self.fwd, self.bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +125,14 @@ def predict(
     prefetch_bytes: int,
 ) -> Prediction:
     """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser])."""
-    spans = [Span(g.fwd, g.bwd, pieces(g.nbytes), g.input_bytes, g.recompute) for g in groups]
+    per_group = group_actions(groups, actions)
+    spans = [
+        Span(*g.compute(a), pieces(g.nbytes), g.input_bytes, g.recompute)
+        for g, a in zip(groups, per_group)
+    ]
     setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch_bytes)
     engine = Engine(setup)
-    got = engine.step(spans, len(spans), actions=group_actions(groups, actions))
+    got = engine.step(spans, len(spans), actions=per_group)
     return Prediction(tuple(actions), got.step_seconds, engine.peaks()[0])
 
 

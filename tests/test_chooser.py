@@ -260,3 +260,37 @@ def test_recompute_offload_writes_the_inputs_and_takes_them_back_first():
     stuck = predict(gs, ["recompute_offload"] * 3, 1e6, 1e6, window)
     assert stuck.step_seconds == pytest.approx(rec.step_seconds)
     assert stuck.peak_bytes > rec.peak_bytes
+
+
+def test_each_action_is_charged_its_own_measured_compute():
+    """NOTE [Compute per action]: a block is charged the forward and backward it measured
+    with the action it is given (or a stand-in's), never more than the step just run."""
+    g = Cost(
+        0.23, 0.43, 140 * MiB, 8 * MiB, times=(("offload", 0.23, 0.43), ("recompute", 0.19, 0.375))
+    )
+    assert g.compute("offload") == (0.23, 0.43)
+    assert (
+        g.compute("recompute")
+        == g.compute("keep")
+        == g.compute("recompute_offload")
+        == (0.19, 0.375)
+    )
+    stale = Cost(0.19, 0.375, 140 * MiB, times=(("offload", 0.3, 0.5),))  # a cold step 1
+    assert stale.compute("offload") == (0.19, 0.375)
+    assert Cost(0.2, 0.4, 0).compute("keep") == (0.2, 0.4)  # nothing measured: the step's
+
+    def offloading(recs):  # an offload step computes slower, as on W1's 2-core CPU
+        for x in recs:
+            if x["action"] == "offload":
+                x.update(fwd_seconds=0.25, bwd_seconds=0.45)
+        return recs
+
+    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl._costs(records(["recompute"] * 6, again=0.1))
+    groups = [g for g in ctl._costs(offloading(records(["offload"] * 6)))[0] if g.block]
+    for g in groups:
+        assert g.compute("offload") == (0.25, 0.45)
+        assert g.compute("keep") == g.compute("recompute") == pytest.approx((0.2, 0.4))
+    fast = 1e12
+    keep_all = predict(groups, ["keep"] * 6, fast, fast, 128 * MiB)
+    assert keep_all.step_seconds == pytest.approx(6 * (0.2 + 0.4))  # not the offload step's

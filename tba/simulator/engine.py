@@ -185,7 +185,8 @@ class Engine:
         n_kept = n_full = written = 0
         entries: list[_Entry] = []
         uses: list[list[tuple[float, int, int, _Entry | None, float | None]]] = []
-        recomputed: list[int | None] = []  # a recomputed group's input bytes, else None
+        # a recomputed group's input bytes and, with recompute_offload, their entry; else None
+        recomputed: list[tuple[int, _Entry | None] | None] = []
         for gi, g in enumerate(groups):
             act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
             kept = act == "keep"
