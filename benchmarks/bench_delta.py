@@ -58,11 +58,12 @@ from _machine import dump_json, machine_line  # noqa: E402
 import tba  # noqa: E402
 from tba.autopolicy import PolicyController  # noqa: E402
 from tba.chooser import predict  # noqa: E402
+from tba.plan.render import LETTERS as RENDER_LETTERS  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 
 TOP_SHARE = 0.3  # of a sample: the assignments predicted fastest; the rest are drawn at random
-LETTER = {"k": "keep", "o": "offload", "r": "recompute", "s": "recompute_offload"}
-LETTERS = {v: k for k, v in LETTER.items()} | {"user": "u"}
+LETTERS = dict(RENDER_LETTERS, user="u")  # action -> its letter
+LETTER = {v: k for k, v in RENDER_LETTERS.items()}  # letter -> action
 
 
 def one_step(model, batch, off, checkpoint=False):
@@ -94,7 +95,7 @@ def candidates(off, model, batch, budget, sample, rng, margin=1.0):
     groups, _ = PolicyController("auto", None)._costs(records)
     n = sum(g.block for g in groups)
     fit = []
-    for letters in itertools.product("kors", repeat=n):
+    for letters in itertools.product("".join(LETTER), repeat=n):
         p = predict(groups, [LETTER[x] for x in letters], w, r, off.depth.depth)
         if p.peak_bytes <= budget * margin:
             fit.append((p.step_seconds, "".join(letters)))

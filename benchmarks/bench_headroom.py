@@ -42,7 +42,7 @@ formula and each trial's budget are printed and written to the JSON
 auto runs ``--auto-steps`` steps per trial (default 3; the other modes keep ``--steps``, 2, as
 recorded in BENCHMARKS.md): step 1 runs as offload (K=1 under adaptive keep, whatever the
 budget), auto decides when step 2 starts, and step 3 runs on what it learnt from step 2. The
-actions each step ran with are printed per trial (one letter per block: k, o, r), and a trial
+actions each step ran with are printed per trial (one letter per block: k, o, r, s for recompute_offload), and a trial
 that does not fit says in which step it was killed. Step 1 keeps one block whatever the budget,
 so it can be what sets auto's max batch; ``--auto-env TBA_KEEP_LAST=0`` shows the difference.
 
@@ -102,6 +102,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -603,27 +604,27 @@ def time_at_max(runner: Runner, res: dict, modes: list[str]) -> dict:
                     "verdict": rec["verdict"],
                     "why": rec["why"],
                     "step_seconds": steps,
-                    "median": _median(steps) if ok and steps else None,
+                    "median": statistics.median(steps) if ok and steps else None,
                 }
             )
             if ok:
                 out[m]["timed_steps"].extend(steps)
     for m in todo:
-        med = _median(out[m]["timed_steps"]) if out[m]["timed_steps"] else None
+        med = statistics.median(out[m]["timed_steps"]) if out[m]["timed_steps"] else None
         out[m]["median_step_seconds"] = med
         out[m]["seconds_per_sequence"] = None if med is None else med / out[m]["batch"]
     return out
 
 
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+# tba.plan.render.LETTERS, and u(ser); written out because this parent process does not import
+# tba (nor torch)
+_LETTERS = {"keep": "k", "offload": "o", "recompute": "r", "recompute_offload": "s", "user": "u"}
 
 
 def _actions(policy) -> str:
-    """A step's block actions, one letter each: k(eep), o(ffload), r(ecompute), u(ser)."""
-    return "".join((x or "?")[0] for x in policy) if policy else "-"
+    """A step's block actions, one letter each: k(eep), o(ffload), r(ecompute),
+    s (recompute_offload), u(ser)."""
+    return "".join(_LETTERS.get(x, "?") for x in policy) if policy else "-"
 
 
 # -- the parent ---------------------------------------------------------------------------------

@@ -58,8 +58,8 @@ __all__ = [
 
 log = logging.getLogger("tba")
 
-# K for the first step, before anything was measured; 0 when memory is bounded
-# (TBA_MEMORY_BUDGET or TBA_POLICY=auto): a kept block on step 1 broke the budget on the step
+# K for the first step, before anything was measured. When memory is bounded (TBA_MEMORY_BUDGET
+# or TBA_POLICY=auto) it is 0 instead: a kept block on step 1 broke the budget on the step
 # where it matters first (bench_headroom: W1's first step peaked at 204 MiB against 82 after,
 # and every trial over the cap was killed in step 1). Step 1 still writes and reads every
 # block, so it measures the disk either way.
