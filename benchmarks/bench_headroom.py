@@ -40,11 +40,11 @@ formula and each trial's budget are printed and written to the JSON
 (``FIXED,PER_SEQ``) or an earlier run's JSON file.
 
 auto runs ``--auto-steps`` steps per trial (default 3; the other modes keep ``--steps``, 2, as
-recorded in BENCHMARKS.md): step 1 runs as offload (K=1 under adaptive keep, whatever the
-budget), auto decides when step 2 starts, and step 3 runs on what it learnt from step 2. The
-actions each step ran with are printed per trial (one letter per block: k, o, r, s for recompute_offload), and a trial
-that does not fit says in which step it was killed. Step 1 keeps one block whatever the budget,
-so it can be what sets auto's max batch; ``--auto-env TBA_KEEP_LAST=0`` shows the difference.
+recorded in BENCHMARKS.md): step 1 runs as offload with no block kept (adaptive keep's first K
+is 0 when memory is bounded, FIRST_K in tba/adaptive.py), auto decides when step 2 starts, and
+step 3 runs on what it learnt from step 2. The actions each step ran with are printed per
+trial (one letter per block: k, o, r, or s for recompute_offload), and a trial that does not
+fit says in which step it was killed.
 
 **Time per sequence.** After the searches, each mode runs again at its max batch, under the cap,
 ``--time-rounds`` rounds (default 2; 0 skips it) with the modes in turn (the order rotates per
