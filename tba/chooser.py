@@ -49,13 +49,17 @@ KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local sear
 DESCENTS = 3  # of those and the uniform ones, how many the search descends from
 
 
+# The pseudo-action of ``Cost.times`` that holds an offload step's times less what tba's hooks
+# took in them (NOTE [Hook time] in tba/autopolicy.py): a block's compute without tba's work.
+BARE = "bare"
+
 # whose measured times stand for an action's when it has none of its own, in order: a kept
-# block computes as a recomputed one does in its first pass (no packing, no writes), and the
-# two recompute actions compute alike
+# block computes as a recomputed one does in its first pass (no packing, no writes), the two
+# recompute actions compute alike, and any of them as an offloaded block does less its hooks
 STAND_INS = {
-    "keep": ("keep", "recompute", "recompute_offload"),
-    "recompute": ("recompute", "recompute_offload"),
-    "recompute_offload": ("recompute_offload", "recompute"),
+    "keep": ("keep", "recompute", "recompute_offload", BARE),
+    "recompute": ("recompute", "recompute_offload", BARE),
+    "recompute_offload": ("recompute_offload", "recompute", BARE),
 }
 
 
@@ -73,8 +77,9 @@ class Cost:
     # (the first forward touches fresh memory and records the graph).
     recompute: float | None = None
     # (action, fwd, bwd) as measured the last time the block ran with that action (bwd without
-    # a recompute); predict() charges a block the times of the action it is given, where
-    # measured (NOTE [Compute per action] in tba/autopolicy.py), else fwd and bwd
+    # a recompute), and (BARE, fwd, bwd) its last offload step's less tba's hooks; predict()
+    # charges a block the times of the action it is given, where measured (NOTE [Compute per
+    # action] in tba/autopolicy.py), else a stand-in's (STAND_INS), else fwd and bwd
     times: tuple[tuple[str, float, float], ...] = ()
 
     def compute(self, action: str) -> tuple[float, float]:

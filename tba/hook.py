@@ -8,6 +8,7 @@ must not compile tba's own code (NOTE [Compiled regions] in tba/groups.py).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -62,13 +63,34 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.st = step
         super().__init__(self.pack, self.unpack)
 
+    # Both hooks time themselves, less any stall, into the group's GroupStat (NOTE [Hook time]
+    # in tba/autopolicy.py): the seconds a block spends in tba rather than in its own compute.
+
     @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
-        return self.packer.pack(t, self.st)
+        st = self.st
+        t0, stalled = time.perf_counter(), st.stall_seconds
+        got = self.packer.pack(t, st)
+        gs = self.packer.groups.stat
+        if gs is not None:
+            gs.pack_seconds += time.perf_counter() - t0 - (st.stall_seconds - stalled)
+        return got
 
     @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, (Handle, KeptHandle, Derived)):
+        if type(packed) is Handle:  # the only kind whose unpack can wait on a read
+            st = packed.entry.step
+            t0, stalled = time.perf_counter(), st.stall_seconds
+            out = self.reader.unpack(packed)
+            packed.stat.unpack_seconds += time.perf_counter() - t0 - (st.stall_seconds - stalled)
+            return out
+        if isinstance(packed, KeptHandle):
+            t0 = time.perf_counter()
+            out = self.reader.unpack(packed)
+            if packed.stat is not None:
+                packed.stat.unpack_seconds += time.perf_counter() - t0
+            return out
+        if isinstance(packed, Derived):
             return self.reader.unpack(packed)
         if isinstance(packed, DTensorHandle):  # NOTE [DTensor]
             return packed.rebuild(self.unpack(packed.inner))

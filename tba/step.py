@@ -66,6 +66,8 @@ class GroupStat:
         "input_bytes",
         "hidden_bytes",
         "recompute_seconds",
+        "pack_seconds",
+        "unpack_seconds",
         "tensors",
         "packed_bytes",
         "saved_bytes",
@@ -93,6 +95,8 @@ class GroupStat:
         self.input_bytes = 0  # a block's tensor inputs (what recompute keeps)
         self.hidden_bytes = 0  # saved inside tba's checkpoint of the block (not packed by tba)
         self.recompute_seconds = 0.0  # backward's run of the block's forward again
+        self.pack_seconds = 0.0  # in tba's pack hook, stalls excluded (NOTE [Hook time])
+        self.unpack_seconds = 0.0  # in tba's unpack hook for this group's handles, less stalls
         self.tensors = 0
         self.packed_bytes = 0  # per pack: views of one storage count once each
         self.saved_bytes = 0  # storages first seen in this group, once each (what keeping costs)
@@ -237,6 +241,8 @@ class StepState:
                     "input_bytes": gs.input_bytes,
                     "hidden_bytes": gs.hidden_bytes,
                     "recompute_seconds": gs.recompute_seconds,
+                    "pack_seconds": gs.pack_seconds,
+                    "unpack_seconds": gs.unpack_seconds,
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
                     "saved_bytes": gs.saved_bytes,

@@ -294,3 +294,36 @@ def test_each_action_is_charged_its_own_measured_compute():
     fast = 1e12
     keep_all = predict(groups, ["keep"] * 6, fast, fast, 128 * MiB)
     assert keep_all.step_seconds == pytest.approx(6 * (0.2 + 0.4))  # not the offload step's
+
+
+def test_hook_time_is_charged_to_offloaded_blocks_only():
+    """NOTE [Hook time]: after all-offload steps alone, a kept block is charged the offload
+    step's times less tba's hooks, so on a disk that hides every write the chooser keeps the
+    block the budget allows instead of calling it a tie with offloading it."""
+
+    def hooked(recs, pack, unpack):
+        for x in recs:
+            if x["action"] == "offload":
+                x.update(pack_seconds=pack, unpack_seconds=unpack)
+        return recs
+
+    fast = 1e9  # every write and read hides behind compute
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    got, gain = {}, {}
+    for pack, unpack in ((0.0, 0.0), (0.01, 0.02)):
+        ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+        recs = hooked(records(["offload"] * 6), pack, unpack)
+        ctl.observe(1, recs, fast, fast, budget, 128 * MiB)
+        groups = ctl._costs(recs)[0]
+        blocks = [g for g in groups if g.block]
+        assert blocks[0].compute("offload") == pytest.approx((0.2, 0.4))
+        assert blocks[0].compute("keep") == pytest.approx((0.2 - pack, 0.4 - unpack))
+        assert blocks[0].compute("recompute") == pytest.approx((0.2 - pack, 0.4 - unpack))
+        got[pack] = ctl.decision["actions"]
+        offload_all = predict(groups, ["offload"] * 6, fast, fast, 128 * MiB)
+        keep_last = predict(groups, ["offload"] * 5 + ["keep"], fast, fast, 128 * MiB)
+        gain[pack] = offload_all.step_seconds - keep_last.step_seconds
+    assert gain[0.0] == pytest.approx(0.0)  # the tie auto met on W1 uncapped
+    assert got[0.0] == ["offload"] * 6  # to the lower peak
+    assert gain[0.01] == pytest.approx(0.01 + 0.02)
+    assert got[0.01] == ["offload"] * 5 + ["keep"]  # the one kept block the budget allows

@@ -201,3 +201,20 @@ def test_recompute_seconds_time_backwards_forward_again(make_offloader):
     for r in recs:  # backward's time of a recomputed block includes its recompute
         if r["recompute_seconds"]:
             assert r["bwd_seconds"] >= r["recompute_seconds"]
+
+
+def test_hooks_time_themselves_per_group(make_offloader):
+    """NOTE [Hook time]: each group's record says how long tba's pack and unpack hooks took
+    for its tensors, stalls excluded; an offloaded block spends more in them than a kept one,
+    and no group spends more in them than its forward and backward took."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(block_policy="offload,keep,recompute")
+    run_step(off, model).backward()
+    recs = off._last.group_records()
+    by = {r["action"]: r for r in recs if r["action"]}
+    assert by["offload"]["pack_seconds"] > 0 and by["offload"]["unpack_seconds"] > 0
+    assert by["keep"]["pack_seconds"] > 0 and by["keep"]["unpack_seconds"] > 0
+    for r in recs:
+        assert 0 <= r["pack_seconds"] <= r["fwd_seconds"]
+        assert r["unpack_seconds"] >= 0
