@@ -1,11 +1,13 @@
 """Batch headroom on W1: the largest micro-batch that fits under a memory cap, without and with tba.
 
 Each trial is a fresh child process that builds W1 (``tba.testing.GPT(W1)``), takes a random
-batch of B sequences and runs forward+backward ``--steps`` times (default 2), with no optimizer,
-as bench_step does (the second step is tba's steady state: it has a prefetch plan, and for
-``TBA_KEEP_LAST=auto`` a keep decision). "Fits" means the child exits 0; "does not fit" means the
-kernel OOM-killed it in its cgroup, or torch raised an out-of-memory error (the output says in
-which step). For each mode the batch size is searched exponentially (1, 2, 4, ...) and then by
+batch of B sequences and runs forward+backward ``--steps`` times (default 3, the same for every
+mode, so that max batches compare), with no optimizer, as bench_step does (the second step is
+tba's steady state: it has a prefetch plan, and for ``TBA_KEEP_LAST=auto`` a keep decision; the
+third is auto's first step on what it learnt, and a third step has killed per-block
+checkpointing at a batch that fit two). "Fits" means the child exits 0; "does not fit" means
+the kernel OOM-killed it in its cgroup, or torch raised an out-of-memory error (the output says
+in which step). For each mode the batch size is searched exponentially (1, 2, 4, ...) and then by
 bisection; the baseline (none) from ``--start``, the others from the baseline's result.
 
 Modes: ``none`` (no tba), ``tba`` (tba as configured: TBA_POLICY=offload unless ``--env`` says
@@ -39,12 +41,16 @@ formula and each trial's budget are printed and written to the JSON
 (``auto_budget``; ``budget`` per trial). ``--auto-fit`` skips the calibration with a line
 (``FIXED,PER_SEQ``) or an earlier run's JSON file.
 
-auto runs ``--auto-steps`` steps per trial (default 3; the other modes keep ``--steps``, 2, as
-recorded in BENCHMARKS.md): step 1 runs as offload with no block kept (adaptive keep's first K
-is 0 when memory is bounded, FIRST_K in tba/adaptive.py), auto decides when step 2 starts, and
-step 3 runs on what it learnt from step 2. The actions each step ran with are printed per
-trial (one letter per block: k, o, r, or s for recompute_offload), and a trial that does not
-fit says in which step it was killed.
+auto's trials run ``--steps`` steps too (``--auto-steps`` overrides that for auto alone; the
+runs in BENCHMARKS.md before this default had 2 steps for the other modes and 3 for auto): step
+1 runs as offload with no block kept (adaptive keep's first K is 0 when memory is bounded,
+FIRST_K in tba/adaptive.py), auto decides when step 2 starts, and step 3 runs on what it learnt
+from step 2. With a TBA_MEMORY_BUDGET set, TBA_STAGING_FULL defaults to ``wait`` (NOTE [Staging
+backpressure] in tba/staging.py); before that, from batch 33 on, the second of each block's two
+MLP tensors (132 MiB each; the 256 MiB staging holds one while it is written) stayed resident
+all forward, and an auto trial at 33 was OOM-killed in step 1. The actions each step ran with
+are printed per trial (one letter per block: k, o, r, or s for recompute_offload), and a trial
+that does not fit says in which step it was killed.
 
 **Time per sequence.** After the searches, each mode runs again at its max batch, under the cap,
 ``--time-rounds`` rounds (default 2; 0 skips it) with the modes in turn (the order rotates per
@@ -643,8 +649,11 @@ class Runner:
         self.budget: AutoBudget | None = None  # auto's budget per batch, once calibrated
 
     def steps_for(self, mode: str) -> int:
-        """Steps of a search or calibration trial: --steps, and --auto-steps for auto."""
-        return self.args.auto_steps if mode == "auto" else self.args.steps
+        """Steps of a search or calibration trial: --steps, and --auto-steps (when given) for
+        auto."""
+        if mode == "auto" and self.args.auto_steps:
+            return self.args.auto_steps
+        return self.args.steps
 
     def trial(
         self, mode: str, b: int, steps: int | None = None, capped: bool = True, purpose: str = ""
@@ -899,13 +908,18 @@ def main(argv=None) -> int:
         default="auto",
         help="how the cap is enforced (default: the first usable cgroup, else rusage)",
     )
-    ap.add_argument("--steps", type=int, default=2, help="forward+backward steps per trial")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="forward+backward steps per trial, every mode (default 3: auto's step 1 runs as "
+        "offload, auto decides before step 2, step 3 runs on what it learnt from step 2)",
+    )
     ap.add_argument(
         "--auto-steps",
         type=int,
-        default=3,
-        help="steps per auto trial (default 3: step 1 runs as offload, auto decides before "
-        "step 2, step 3 runs on what it learnt from step 2)",
+        default=None,
+        help="steps per auto trial, when they should differ from --steps (default: --steps)",
     )
     ap.add_argument(
         "--auto-calibrate",
@@ -1005,7 +1019,7 @@ def main(argv=None) -> int:
     res: dict = {
         "workload": "W1 (tba.testing.W1), forward+backward, no optimizer",
         "steps_per_trial": args.steps,
-        "auto_steps_per_trial": args.auto_steps if "auto" in modes else None,
+        "auto_steps_per_trial": runner.steps_for("auto") if "auto" in modes else None,
         "mechanism": cap.name,
         "mechanism_detail": cap.describe(),
         "cap_enforced": cap.enforced,
@@ -1104,7 +1118,7 @@ def _report(res: dict, modes: list[str]) -> None:
     enforced = res["cap_enforced"]
     print()
     steps = f"{res['steps_per_trial']} steps per trial"
-    if res.get("auto_steps_per_trial"):
+    if res.get("auto_steps_per_trial") not in (None, res["steps_per_trial"]):
         steps += f" ({res['auto_steps_per_trial']} for auto)"
     print(
         f"W1 max micro-batch under a {res['cap']} cap ({res['mechanism']}"

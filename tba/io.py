@@ -13,6 +13,7 @@ I/O (stalls) and ``Ticket.wait`` happen outside it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -58,7 +59,7 @@ class IO:
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.lock = threading.RLock()
-        self.config = config
+        self.config = config = with_budget_backpressure(config)
         self.backend = backend
         self.align = backend.alignment
         self.checksum = resolve(config.checksum)  # "auto" -> the algorithm in use
@@ -240,6 +241,21 @@ class IO:
             self._capture_pool.shutdown(wait=True)
         self.trim()
         self.backend.close()
+
+
+BUDGET_WAITS = "default (TBA_MEMORY_BUDGET is set)"  # the source of that staging_full
+
+
+def with_budget_backpressure(config: Config) -> Config:
+    """``config`` with TBA_STAGING_FULL=wait when TBA_MEMORY_BUDGET is set and TBA_STAGING_FULL
+    was left at its default, else ``config`` itself (NOTE [Staging backpressure]). The copy's
+    ``sources`` say why (:data:`BUDGET_WAITS`); the given Config is not changed."""
+    if config.memory_budget is None or config.sources.get("staging_full") != "default":
+        return config
+    out = copy.copy(config)  # not replace(): that would resolve every field afresh
+    object.__setattr__(out, "staging_full", "wait")
+    object.__setattr__(out, "sources", {**config.sources, "staging_full": BUDGET_WAITS})
+    return out
 
 
 def check_host_memory(config: Config) -> None:

@@ -89,6 +89,7 @@ class Offloader:
         self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
         self.index = Index(on_resident=self._peak)
         self.io = IO(config, backend, self.index, self.metrics)
+        self.config = self.io.config  # as run: a budget's staging_full (tba/io.py)
         self.reader = Reader(self.io, self.index, self.prefetcher)
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it

@@ -151,6 +151,14 @@ class StagingPool:
 # are sealed and written first (they free staging only once written). A tensor larger than
 # the whole staging never waits. After one timeout the rest of the step keeps without waiting,
 # so a drive that stopped does not cost a timeout per tensor.
+# With TBA_MEMORY_BUDGET set, 'wait' is the default (an explicit TBA_STAGING_FULL stands): a
+# tensor kept for a full staging stays resident for the rest of the forward, which no budget
+# can allow for, while a wait holds it only until one write completes. Measured on W1 at batch
+# 33 (tcmalloc, budget 358 MiB, bench_headroom): the two 132 MiB MLP tensors of each block did
+# not both fit the 256 MiB staging, so with 'keep' each second one stayed resident: step 1's
+# peak_resident_bytes was 665 MiB and the process peaked at 1862 MiB (OOM-killed under a
+# 1280 MiB cap); with 'wait' 137 MiB and 1204 MiB. The Offloader's config reports the value in
+# use (with_budget_backpressure in tba/io.py).
 # NOTE [Direct capture]
 # On the CPU a capture into staging is a memcpy on the training thread (about 0.045 s/GiB: 35 ms
 # of W1's 3.7 s step) and the pool it fills is host memory the process keeps. So a large CPU

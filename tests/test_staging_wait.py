@@ -115,3 +115,40 @@ def test_bad_values_are_config_errors():
         tba.Config(environ={"TBA_STAGING_WAIT": "0"})
     cfg = tba.Config(environ={"TBA_STAGING_FULL": "WAIT", "TBA_STAGING_WAIT": "250ms"})
     assert cfg.staging_full == "wait" and cfg.staging_wait == 0.25
+
+
+# -- a memory budget waits by default (NOTE [Staging backpressure]) ----------------------------
+# At W1 batch 33 the two 132 MiB MLP tensors of a block did not both fit the 256 MiB staging:
+# with 'keep' the second stayed resident all forward (step 1's tba peak 665 MiB against a 358 MiB
+# TBA_MEMORY_BUDGET; OOM-killed under bench_headroom's cap); waiting for one write held it at 137.
+def test_a_memory_budget_makes_a_full_staging_wait(core):
+    c = core(memory_budget="64MiB", staging_wait=30)
+    assert c.io.config.staging_full == "wait"
+    assert c.io.config.sources["staging_full"] == "default (TBA_MEMORY_BUDGET is set)"
+    assert c.config.staging_full == "keep"  # the Config itself is left as it was resolved
+    opened = threading.Timer(0.2, c.backend.open)  # the drive catches up 0.2 s later
+    opened.start()
+    st, xs, hs = three(c)
+    opened.join()
+    assert st.kept_reasons.get("staging_full", 0) == 0 and st.pack_stall_seconds > 0
+    c.end(st)
+    c.settle()
+    want = [x.clone() for x in xs]
+    del xs
+    assert all(torch.equal(c.unpack(h), w) for h, w in zip(reversed(hs), reversed(want)))
+
+
+@pytest.mark.parametrize("cfg", [{}, {"memory_budget": "64MiB", "staging_full": "keep"}])
+def test_without_a_budget_or_when_set_a_full_staging_keeps(core, cfg):
+    c = core(**cfg)
+    assert c.io.config.staging_full == "keep"
+    st, xs, hs = three(c)
+    assert st.kept_reasons["staging_full"] == 2 and st.pack_stall_seconds == 0
+
+
+def test_the_offloader_reports_the_staging_full_it_runs_with(tmp_path):
+    with tba.Offloader(spill_dir=str(tmp_path), memory_budget=0.3) as off:
+        assert off.config.staging_full == "wait" and off.config.memory_budget == 0.3
+        assert off.config.as_dict()["staging_full"] == "wait"
+    with tba.Offloader(spill_dir=str(tmp_path), memory_budget=0.3, staging_full="keep") as off:
+        assert off.config.staging_full == "keep"
