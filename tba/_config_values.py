@@ -229,12 +229,18 @@ def _optional_rank(value: Any) -> int | None:
     return _count(0)(value)
 
 
-POLICIES = ("auto", "offload", "recompute", "keep")
-# recompute_offload: recomputed, and the inputs its checkpoint saves are offloaded, not kept
-BLOCK_ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
-RECOMPUTED = ("recompute", "recompute_offload")  # the actions that run a block again in backward
+POLICIES = ("auto", "offload", "recompute", "selective", "keep")
+# recompute_offload: recomputed, and the inputs its checkpoint saves are offloaded, not kept;
+# selective: recomputed, but its matrix products kept (NOTE [Selective recompute])
+SELECTIVE = "selective"
+BLOCK_ACTIONS = ("keep", "offload", "recompute", "recompute_offload", SELECTIVE)
+# the TBA_POLICY values that act on a model's blocks (the others keep or offload by keep_last)
+BY_BLOCK = ("recompute", SELECTIVE, "auto")
+# the actions that run a block again in backward
+RECOMPUTED = ("recompute", "recompute_offload", SELECTIVE)
 _BLOCK_POLICY_HELP = (
-    "per-block actions, keep|offload|recompute|recompute_offload: a list in block order such as "
+    "per-block actions, keep|offload|recompute|recompute_offload|selective: a list in block "
+    "order such as "
     "'recompute,offload,recompute', or 'index:action' pairs such as '0:recompute,2:keep' "
     "(in Python also a list or a dict {index: action})"
 )

@@ -4,8 +4,10 @@
 Input, per group of a step in forward order (``Cost``): forward and backward compute seconds,
 the bytes the group saves, the bytes of its inputs (what recompute keeps), and whether it is a
 block; plus the write and read bandwidth and a memory budget in bytes. Each block gets keep,
-offload, recompute or recompute_offload (recomputed, its inputs offloaded rather than kept:
-DELTA's swap of the checkpoints; NOTE [Block policy] in tba/recompute.py); a group between or after
+offload, recompute, recompute_offload (recomputed, its inputs offloaded rather than kept:
+DELTA's swap of the checkpoints; NOTE [Block policy] in tba/recompute.py) or selective
+(recomputed but for its matrix products, which stay resident: ``Cost.cached_bytes``, offered
+only where known; NOTE [Selective recompute] in tba/selective.py); a group between or after
 blocks follows the block before it when that one is kept, else it is offloaded (the group
 before the first block is offloaded). An assignment is replayed by the simulator tba plan and
 adaptive keep use (NOTE [Simulator] in tba/simulator/engine.py, its plain runtime case plus
@@ -19,7 +21,7 @@ tba/autopolicy.py); keeping costs memory only.
 The choice: among the assignments whose predicted peak is within the budget, the shortest
 predicted step, ties going to the lower peak; when none fits, the lowest peak (and the caller
 says so). Without a budget (None) nothing bounds memory, and keeping everything wins. With at
-most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (4^6 = 4096 on
+most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (5^6 = 15,625 on
 W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
 local search. It replays the uniform assignments (every block recomputed, offloaded, kept) and
 the keep-last ones (the last k blocks kept, the rest all given one of the other actions, for
@@ -39,10 +41,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from .config import BLOCK_ACTIONS
+from .config import BLOCK_ACTIONS, SELECTIVE
 from .simulator import Engine, Setup, Span, pieces
 
-ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload
+ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload, selective
 EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
 SEARCH_SIMS = 300  # replays a run-time decision may take (NOTE [Chooser])
 KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local search replays first
@@ -57,9 +59,10 @@ BARE = "bare"
 # block computes as a recomputed one does in its first pass (no packing, no writes), the two
 # recompute actions compute alike, and any of them as an offloaded block does less its hooks
 STAND_INS = {
-    "keep": ("keep", "recompute", "recompute_offload", BARE),
-    "recompute": ("recompute", "recompute_offload", BARE),
-    "recompute_offload": ("recompute_offload", "recompute", BARE),
+    "keep": ("keep", "recompute", "recompute_offload", SELECTIVE, BARE),
+    "recompute": ("recompute", "recompute_offload", SELECTIVE, BARE),
+    "recompute_offload": ("recompute_offload", "recompute", SELECTIVE, BARE),
+    SELECTIVE: (SELECTIVE, "recompute", "recompute_offload", BARE),
 }
 
 
@@ -81,6 +84,11 @@ class Cost:
     # charges a block the times of the action it is given, where measured (NOTE [Compute per
     # action] in tba/autopolicy.py), else a stand-in's (STAND_INS), else fwd and bwd
     times: tuple[tuple[str, float, float], ...] = ()
+    # what ``selective`` keeps of the block besides its inputs (NOTE [Selective recompute] in
+    # tba/selective.py): measured when it ran so, else estimated; None: unknown, and the
+    # chooser does not offer selective for the block
+    cached_bytes: int | None = None
+    selective_recompute: float | None = None  # its recompute's seconds (None: ``recompute``'s)
 
     def compute(self, action: str) -> tuple[float, float]:
         """Forward and backward seconds of this group run with ``action``: its measured (or a
@@ -91,6 +99,23 @@ class Cost:
                 f, b = got[a]
                 return min(f, self.fwd), min(b, self.bwd)
         return self.fwd, self.bwd
+
+    def again(self, action: str) -> float | None:
+        """Seconds backward's recompute of the block takes under ``action`` (None: ``fwd``)."""
+        if action == SELECTIVE and self.selective_recompute is not None:
+            return self.selective_recompute
+        return self.recompute
+
+    def span(self, action: str) -> Span:
+        """The simulator's view of this group run with ``action``."""
+        cached = (self.cached_bytes or 0) if action == SELECTIVE else 0
+        return Span(
+            *self.compute(action),
+            pieces(self.nbytes),
+            self.input_bytes,
+            self.again(action),
+            cached,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +156,7 @@ def predict(
 ) -> Prediction:
     """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser])."""
     per_group = group_actions(groups, actions)
-    spans = [
-        Span(*g.compute(a), pieces(g.nbytes), g.input_bytes, g.recompute)
-        for g, a in zip(groups, per_group)
-    ]
+    spans = [g.span(a) for g, a in zip(groups, per_group)]
     setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch_bytes)
     engine = Engine(setup)
     got = engine.step(spans, len(spans), actions=per_group)
@@ -158,7 +180,13 @@ def choose(
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
     fixed = fixed or {}
-    options = [(fixed[i],) if i in fixed else ACTIONS for i in range(n)]
+    blocks = [g for g in groups if g.block]
+    options = [
+        (fixed[i],)
+        if i in fixed
+        else tuple(a for a in ACTIONS if a != SELECTIVE or blocks[i].cached_bytes is not None)
+        for i in range(n)
+    ]
     seen: dict[tuple[str, ...], Prediction] = {}
 
     def sim(actions: tuple[str, ...]) -> Prediction:
@@ -176,7 +204,11 @@ def choose(
         best = min((sim(a) for a in itertools.product(*options)), key=rank)
     else:
         left = (lambda: len(seen) < max_sims) if max_sims else (lambda: True)
-        pin = lambda a: tuple(fixed.get(i, x) for i, x in enumerate(a))  # noqa: E731
+
+        def pin(a: Sequence[str]) -> tuple[str, ...]:  # fixed blocks, and only what they allow
+            fit = lambda i, x: "recompute" if "recompute" in options[i] else options[i][0]  # noqa: E731
+            return tuple(x if x in options[i] else fit(i, x) for i, x in enumerate(a))
+
         # in the order _starts gives (a set would follow string hashes, which differ per
         # process): ties in rank then go the same way in every process
         starts = sorted(dict.fromkeys(sim(pin(s)) for s in _starts(n)), key=rank)
@@ -195,7 +227,7 @@ def _starts(n: int) -> list[list[str]]:
     if n > 1:
         m = min(n - 1, KEEP_LAST_STARTS)
         ks = sorted({1 + round(i * (n - 2) / max(1, m - 1)) for i in range(m)})
-        lead = ("recompute", "offload", "recompute_offload")
+        lead = ("recompute", "offload", "recompute_offload", SELECTIVE)
         out += [[a] * (n - k) + ["keep"] * k for k in ks for a in lead]
     return out
 

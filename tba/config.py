@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._config_fields import _FIELDS, BACKENDS, CHECKSUMS, _default_spill_dir
-from ._config_values import BLOCK_ACTIONS, POLICIES, RECOMPUTED, format_size, parse_size
+from ._config_values import (
+    BLOCK_ACTIONS,
+    BY_BLOCK,
+    POLICIES,
+    RECOMPUTED,
+    SELECTIVE,
+    format_size,
+    parse_size,
+)
 from .errors import ConfigError, ValueParseError
 
 __all__ = [
@@ -29,7 +37,9 @@ __all__ = [
     "environment",
     "BACKENDS",
     "BLOCK_ACTIONS",
+    "BY_BLOCK",
     "RECOMPUTED",
+    "SELECTIVE",
     "CHECKSUMS",
     "POLICIES",
 ]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import RECOMPUTED
+from .config import BY_BLOCK, RECOMPUTED
 from .errors import internal_error
 from .recompute import USER, Recompute, user_checkpointed
 from .step import StepState
@@ -233,7 +233,7 @@ class GroupTracker:
             return
         for block, action in zip(rec.blocks, actions):
             if action in RECOMPUTED:
-                self._unwrap.append(self.recompute.install(block, self._where))
+                self._unwrap.append(self.recompute.install(block, self._where, action))
 
     def _where(self) -> tuple[Any, Any]:
         """The (StepState, GroupStat) a recompute wrapper runs in; (None, None) in windows."""
@@ -315,12 +315,12 @@ class GroupTracker:
         if self.step is not None:
             self.step.kept_groups = 1 if self.lead_kept else 0  # one window, kept by keep
             self.step.group_policy = []  # no block ran as a block
-        by_block = self.policy in ("recompute", "auto") or bool(self.assignment)
+        by_block = self.policy in BY_BLOCK or bool(self.assignment)
         if not (self.keep_last or self.adaptive or by_block):
             return  # nothing is kept or recomputed by block: windows change no decision
         actions = ""
         if by_block:
-            by_policy = self.policy in ("recompute", "auto")
+            by_policy = self.policy in BY_BLOCK
             what = f"TBA_POLICY={self.policy}" if by_policy else "TBA_BLOCK_POLICY"
             instead = "kept (TBA_POLICY=keep)" if self.lead_kept else "offloaded"
             actions = (

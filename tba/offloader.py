@@ -95,7 +95,9 @@ class Offloader:
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
         self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
         self.policy = PolicyController(config.policy, config.block_policy)
-        self.groups.recompute = Recompute(self.packer.count_hidden, self._recomputing)
+        self.groups.recompute = Recompute(
+            self.packer.count_hidden, self._recomputing, self.packer.hold_cached
+        )
         self.groups.default_action = self.policy.default_action()
         self.groups.policy = config.policy
         self._logged_policy: list[str] | None = None
@@ -142,7 +144,9 @@ class Offloader:
             self.metrics.track(st)
             if model is not None:
                 self.packer.param_storages = _model_storages(model)
-            elif self.config.policy in ("recompute", "auto") or self.config.block_policy:
+            elif (
+                self.config.policy in ("recompute", "selective", "auto") or self.config.block_policy
+            ):
                 self.io.warn_once(
                     "policy-without-model",
                     f"tba.offloader: TBA_POLICY={self.config.policy} (like TBA_BLOCK_POLICY) acts "
@@ -254,7 +258,10 @@ class Offloader:
             saved_bytes=st.saved_bytes,
             peak_bytes=st.peak_resident_bytes,
         )
-        self.policy.observe(st.index, records, w, r, self._memory_budget, self.depth.depth)
+        peak = max(st.peak_resident_bytes, st.peak_with_recompute_bytes)
+        self.policy.observe(
+            st.index, records, w, r, self._memory_budget, self.depth.depth, peak=peak
+        )
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
             self._trace.step(

@@ -26,6 +26,7 @@ from .handle import Handle, KeptHandle, layout
 from .index import Index
 from .io import IO
 from .policy import PLAIN_TYPES, Policy, is_parameter_like, unsupported
+from .selective import kept_by_selective
 from .staging import DirectBlock, StagingPool
 from .step import StepState, StorageRef
 from .subclass import DTensorHandle, is_dtensor, local_of, waited
@@ -85,6 +86,8 @@ class Packer:
             reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
             gs = self.groups.stat
             gs.saved_bytes += st.saved_bytes - seen
+            if st.saved_bytes > seen and kept_by_selective(t):  # NOTE [Selective recompute]
+                gs.cacheable_bytes += st.saved_bytes - seen
             gs.tensors += 1
             gs.packed_bytes += nbytes
             if reason is None:
@@ -138,6 +141,24 @@ class Packer:
             before = st.saved_bytes
             st.see(storage, cdata, storage.nbytes())
             return st.saved_bytes - before
+
+    def hold_cached(self, st: StepState, gs: Any, tensors: list[torch.Tensor]) -> list[Any]:
+        """Charge the outputs a selective block keeps until its recompute (NOTE [Selective
+        recompute], point 3) as kept storages, each once; the handles returned hold the charge,
+        which ends when they are dropped."""
+        held = []
+        with self.io.lock:
+            for t in tensors:
+                if unsupported(t) or is_parameter_like(t, self.param_storages):
+                    continue
+                storage = t.untyped_storage()
+                cdata, nbytes = storage._cdata, storage.nbytes()
+                fresh = cdata not in self.index.kept
+                h = KeptHandle(t, self.index.kept_entry(cdata, nbytes), ("selective", cdata), gs)
+                if fresh:
+                    gs.cached_bytes += nbytes
+                held.append(h)
+        return held
 
     def _next_seq(self) -> int:
         self._seq += 1

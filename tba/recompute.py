@@ -63,6 +63,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .config import SELECTIVE
+from .selective import Selective, kept_by_selective
 from .step import GroupStat, StepState
 
 USER = "user"  # the action recorded for a block someone else already checkpoints
@@ -104,13 +106,19 @@ class Recompute:
         self,
         count: Callable[[torch.Tensor, StepState], int],
         recomputing: Callable[[StepState, GroupStat], None],
+        hold: Callable[[StepState, GroupStat, list[torch.Tensor]], list[Any]] | None = None,
     ):
         self.count = count
         self.recomputing = recomputing
+        # charges the tensors a selective block keeps; returns what holds the charge
+        self.hold = hold or (lambda step, stat, ts: [])
 
-    def install(self, block: nn.Module, where: Callable[[], tuple[Any, Any]]) -> Callable[[], None]:
+    def install(
+        self, block: nn.Module, where: Callable[[], tuple[Any, Any]], action: str = "recompute"
+    ) -> Callable[[], None]:
         """Wrap ``block.forward``; ``where()`` gives the (StepState, GroupStat) of the block's
-        group when it runs. Returns the function that removes the wrapper."""
+        group when it runs; ``action`` is one of RECOMPUTED (``selective``: NOTE [Selective
+        recompute] in tba/selective.py). Returns the function that removes the wrapper."""
         had = "forward" in block.__dict__
         prev = block.__dict__.get("forward")
         inner = block.forward
@@ -123,17 +131,26 @@ class Recompute:
             if step is None or user_checkpointed(block):
                 return inner(*args, **kwargs)  # no grad, or the user's checkpoint: as it is
             calls = [0]
+            sel = None
+            if action == SELECTIVE:
+                sel = Selective(lambda ts: owner.hold(step, stat, ts))
+                kwargs = {**kwargs, "context_fn": sel.contexts}
 
             def run(*a: Any, **kw: Any) -> Any:
                 calls[0] += 1
                 if calls[0] > 1:  # backward: the recompute (its saves are checkpoint's)
+                    if sel is not None:
+                        sel.release()  # from here on counted as what the recompute brings back
                     owner.recomputing(step, stat)
                     t0 = time.perf_counter()
                     try:
                         return inner(*a, **kw)
                     finally:  # checkpoint may stop it early, by raising: timed all the same
                         stat.recompute_seconds += time.perf_counter() - t0
-                return owner._counted(inner, step, stat, a, kw)
+                out = owner._counted(inner, step, stat, a, kw, sel)
+                if sel is not None:
+                    sel.settle()
+                return out
 
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
@@ -149,7 +166,7 @@ class Recompute:
 
         return remove
 
-    def _counted(self, fn, step: StepState, stat: GroupStat, args, kwargs) -> Any:
+    def _counted(self, fn, step: StepState, stat: GroupStat, args, kwargs, sel=None) -> Any:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None:  # pragma: no cover - checkpoint always pushes its hook
             return fn(*args, **kwargs)
@@ -157,7 +174,12 @@ class Recompute:
         count = self.count
 
         def counting(t: torch.Tensor) -> Any:
-            stat.hidden_bytes += count(t, step)
+            added = count(t, step)
+            stat.hidden_bytes += added
+            if added and kept_by_selective(t):  # what selective would keep of it
+                stat.cacheable_bytes += added
+            if sel is not None:
+                sel.saw(t)
             return pack(t)
 
         with torch.autograd.graph.saved_tensors_hooks(counting, unpack):

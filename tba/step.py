@@ -68,6 +68,8 @@ class GroupStat:
         "recompute_seconds",
         "pack_seconds",
         "unpack_seconds",
+        "cached_bytes",
+        "cacheable_bytes",
         "tensors",
         "packed_bytes",
         "saved_bytes",
@@ -97,6 +99,8 @@ class GroupStat:
         self.recompute_seconds = 0.0  # backward's run of the block's forward again
         self.pack_seconds = 0.0  # in tba's pack hook, stalls excluded (NOTE [Hook time])
         self.unpack_seconds = 0.0  # in tba's unpack hook for this group's handles, less stalls
+        self.cached_bytes = 0  # kept by selective recompute (NOTE [Selective recompute])
+        self.cacheable_bytes = 0  # saved outputs of selective's KEPT_OPS: what it would keep
         self.tensors = 0
         self.packed_bytes = 0  # per pack: views of one storage count once each
         self.saved_bytes = 0  # storages first seen in this group, once each (what keeping costs)
@@ -243,6 +247,8 @@ class StepState:
                     "recompute_seconds": gs.recompute_seconds,
                     "pack_seconds": gs.pack_seconds,
                     "unpack_seconds": gs.unpack_seconds,
+                    "cached_bytes": gs.cached_bytes,
+                    "cacheable_bytes": gs.cacheable_bytes,
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
                     "saved_bytes": gs.saved_bytes,

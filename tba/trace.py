@@ -6,7 +6,7 @@ Format (version 1), documented in the README:
   once per Offloader;
 - per group of a step whose backward has run, in forward order: ``{"type": "group", "step",
   "group", "kept", "action", "input_bytes", "hidden_bytes", "recompute_seconds",
-  "pack_seconds", "unpack_seconds", "tensors", "packed_bytes",
+  "pack_seconds", "unpack_seconds", "cached_bytes", "cacheable_bytes", "tensors", "packed_bytes",
   "offloaded_bytes", "kept_bytes", "keepable_bytes", "fwd_seconds", "bwd_seconds",
   "write_seconds", "read_seconds", "stall_seconds", "sync_loads"}``;
 - then ``{"type": "step", "step", "forward_seconds", "backward_seconds", "step_seconds",

@@ -327,3 +327,24 @@ def test_hook_time_is_charged_to_offloaded_blocks_only():
     assert got[0.0] == ["offload"] * 6  # to the lower peak
     assert gain[0.01] == pytest.approx(0.01 + 0.02)
     assert got[0.01] == ["offload"] * 5 + ["keep"]  # the one kept block the budget allows
+
+
+def test_a_choice_measured_over_the_budget_lowers_the_target():
+    """NOTE [Budget margin]: the chooser aims under 0.98 of the budget, and a step that ran
+    its choice and still measured over the budget takes the excess off the target at once."""
+    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    first = records(["offload"] * 5 + ["keep"])
+    ctl.observe(1, first, 20e6, 20e6, budget, 128 * MiB)
+    limit = ctl.decision["budget_bytes"]
+    assert ctl.decision["target_bytes"] == int(0.98 * limit)
+    ran = [ctl.assignment()[i] for i in range(6)]
+    ctl.observe(2, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit - 1)
+    assert ctl.decision["step"] == 1 and ctl.excess == 0  # within: nothing to do
+    ctl.observe(3, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
+    assert ctl.decision["step"] == 3  # decided again at once
+    assert ctl.decision["target_bytes"] == int(0.98 * limit) - 5 * MiB
+    assert ctl.decision["predicted_peak_bytes"] <= ctl.decision["target_bytes"]
+    other = records(["offload"] * 6)  # a step that did not run the choice says nothing of it
+    ctl.observe(4, other, 20e6, 20e6, budget, 128 * MiB, peak=2 * limit)
+    assert ctl.excess == 5 * MiB

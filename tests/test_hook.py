@@ -76,10 +76,12 @@ MODELS = {
 }
 
 
-MIXED = tuple((i, ("recompute", "offload", "recompute_offload", "keep")[i % 4]) for i in range(8))
+ACTIONS = ("recompute", "offload", "recompute_offload", "selective", "keep")
+MIXED = tuple((i, ACTIONS[i % 5]) for i in range(10))
 POLICIES = {
     "offload": {"policy": "offload"},
     "recompute": {"policy": "recompute"},
+    "selective": {"policy": "selective"},
     "mixed": {"block_policy": MIXED},
     "auto": {"policy": "auto"},
 }
@@ -96,8 +98,8 @@ def check_policy(off, policy, user_checkpointed=False):
     actions = st["group_policy"]
     if user_checkpointed:
         assert set(actions) == {"user"} and st["recomputed_groups"] == 0
-    elif policy == "recompute":
-        assert set(actions) == {"recompute"} and st["recomputed_groups"] == len(actions)
+    elif policy in ("recompute", "selective"):
+        assert set(actions) == {policy} and st["recomputed_groups"] == len(actions)
     elif policy == "mixed":
         assert actions == [a for _, a in MIXED[: len(actions)]]
         assert st["recomputed_groups"] == len([a for a in actions if a in RECOMPUTED])

@@ -189,12 +189,18 @@ def _budget_text(m: dict[str, Any]) -> str:
     return text + f"NOT met: no assignment{found} fits; shown is the lowest peak"
 
 
-LETTERS = {"keep": "k", "offload": "o", "recompute": "r", "recompute_offload": "s"}
+LETTERS = {
+    "keep": "k",
+    "offload": "o",
+    "recompute": "r",
+    "recompute_offload": "s",
+    "selective": "p",
+}
 
 
 def _letters(actions: list[str]) -> str:
-    """k/o/r/s per block (s: recompute_offload), in groups of 8 so that a block's index can
-    be counted."""
+    """k/o/r/s/p per block (s: recompute_offload, p: selective), in groups of 8 so that a
+    block's index can be counted."""
     s = "".join(LETTERS.get(a, a[0]) for a in actions)
     return " ".join(s[i : i + 8] for i in range(0, len(s), 8))
 

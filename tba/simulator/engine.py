@@ -36,7 +36,9 @@ packed, needed by backward and released). The rules, as tba applies them:
   its saved tensors are resident, the inputs are let go, and each saved tensor is released at
   its use. Nothing of it is written or read, except with ``recompute_offload``: its inputs are
   offloaded like any tensor packed at its forward start, and backward takes them (a read, a
-  stall, a copy out of staging) before it runs the forward again.
+  stall, a copy out of staging) before it runs the forward again. ``selective`` keeps, besides
+  its inputs, its ``cached_bytes`` (NOTE [Selective recompute] in tba/selective.py) from its
+  forward start until its recompute, which takes its ``recompute`` seconds.
 - Memory follows tba's ``peak_resident_bytes`` accounting: kept tensors from pack to release,
   staging blocks until written, read-back buffers from read issue to release, staging copies.
   The device peak counts only kept and recomputed tensors, the host peak staging and
@@ -56,7 +58,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .._config_values import RECOMPUTED
+from .._config_values import RECOMPUTED, SELECTIVE
 from ..storage.alloc import ExtentAllocator
 from .rules import Setup, Stage, read_ahead
 
@@ -185,8 +187,9 @@ class Engine:
         n_kept = n_full = written = 0
         entries: list[_Entry] = []
         uses: list[list[tuple[float, int, int, _Entry | None, float | None]]] = []
-        # a recomputed group's input bytes and, with recompute_offload, their entry; else None
-        recomputed: list[tuple[int, _Entry | None] | None] = []
+        # a recomputed group's input bytes, with recompute_offload their entry, and what
+        # selective keeps of it; else None
+        recomputed: list[tuple[int, _Entry | None, int] | None] = []
         for gi, g in enumerate(groups):
             act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
             kept = act == "keep"
@@ -201,7 +204,9 @@ class Engine:
                         written += inputs
                 if e is None:
                     self.mem(start, inputs, _DEV)
-                recomputed.append((inputs, e))
+                cached = getattr(g, "cached_bytes", 0) if act == SELECTIVE else 0
+                self.mem(start, cached, _DEV)  # kept from its forward (NOTE [Selective recompute])
+                recomputed.append((inputs, e, cached))
                 saved = sorted(g.saved, key=lambda x: x.pack_at)
                 uses.append(
                     [(s.use_at, -i, s.nbytes, None, s.free_at) for i, s in enumerate(saved)]
@@ -345,14 +350,14 @@ class Engine:
         for g, items, rec in zip(reversed(groups), reversed(uses), reversed(recomputed)):
             start, shift = t, 0.0
             if rec is not None:  # the block's forward again, then its saves are there
-                inputs, e = rec
+                inputs, e, cached = rec
                 if e is not None:  # its inputs, written in forward, come back first
                     shift = take(e, inputs, start, False) - start
                     self.mem(start + shift, inputs, _DEV)
                 again = getattr(g, "recompute", None)
                 shift += g.fwd if again is None else again
                 self.mem(start + shift, sum(s.nbytes for s in g.saved), _DEV)
-                self.mem(start + shift, -inputs, _DEV)
+                self.mem(start + shift, -inputs - cached, _DEV)
             events = []
             for use_at, order, n, e, free_at in items:
                 later = free_at is not None and free_at > use_at  # held past its use

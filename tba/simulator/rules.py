@@ -42,6 +42,8 @@ class Span:
     saved: Sequence[Saved]
     input_bytes: int = 0  # what a recomputed group keeps (its checkpoint's inputs)
     recompute: float | None = None  # seconds backward's run of its forward takes (None: fwd)
+    # what a selective group keeps besides its inputs (NOTE [Selective recompute])
+    cached_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import socket
 
 import torch.distributed as dist
 
+from tba.config import RECOMPUTED
 from tba.testing import megatron_on_cpu
 
 
@@ -95,7 +96,7 @@ def megatron_cpu(tmp_path):
 # -- block policies (NOTE [Block policy] in tba/recompute.py) -------------------------------------
 # Alternate blocks, as TBA_BLOCK_POLICY / Config(block_policy=...) force them; a model with fewer
 # blocks takes the first ones, and with keep_last 0 a block not named is offloaded.
-MIXED = ("recompute", "offload", "recompute", "offload")
+MIXED = ("recompute", "offload", "selective", "offload")
 POLICY_CONFIG = {  # Config / ds_config fields
     "recompute": {"policy": "recompute"},
     "auto": {"policy": "auto"},
@@ -119,13 +120,14 @@ def policy_problems(st: dict, policy: str, blocks: int) -> list[str]:
         bad.append(f"group_policy {actions} does not name the {blocks} blocks")
     if policy == "recompute" and (set(actions) != {"recompute"} or rec != blocks):
         bad.append(f"recompute: group_policy {actions}, recomputed_groups {rec}")
-    if policy == "mixed" and (actions != list(MIXED[:blocks]) or rec != actions.count("recompute")):
+    recomputed = len([a for a in actions if a in RECOMPUTED])
+    if policy == "mixed" and (actions != list(MIXED[:blocks]) or rec != recomputed):
         bad.append(f"mixed: group_policy {actions}, recomputed_groups {rec}")
     if policy == "auto":
         decision = st["policy_decision"]
         if decision.get("actions") != actions or "step" not in decision:
             bad.append(f"auto: no decision ran this step's blocks: {decision}, ran {actions}")
-        if rec != actions.count("recompute"):
+        if rec != recomputed:
             bad.append(f"auto: recomputed_groups {rec} for {actions}")
     if st["disk_bytes_in_use"] != 0:
         bad.append(f"{st['disk_bytes_in_use']} bytes still on disk after training")
