@@ -127,7 +127,9 @@ _FIELDS: dict[str, _Field] = {
         "keep",
         "What a pack does when staging (TBA_STAGING_BYTES) is full: 'keep' the tensor resident "
         "(no wait; counted in kept_reasons['staging_full']), or 'wait' for writes to free "
-        "staging, at most TBA_STAGING_WAIT seconds, so the memory cap holds (counted as stall).",
+        "staging, at most TBA_STAGING_WAIT seconds, so the memory cap holds (counted as stall). "
+        "Left unset, it is 'wait' when a memory budget bounds the step (TBA_MEMORY_BUDGET, or "
+        "TBA_POLICY=auto).",
     ),
     "staging_wait": _Field(
         "TBA_STAGING_WAIT",

@@ -44,9 +44,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import BY_BLOCK, RECOMPUTED
+from .config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from .errors import internal_error
 from .recompute import USER, Recompute, user_checkpointed
+from .selective import compiled
 from .step import StepState
 
 
@@ -208,7 +209,10 @@ class GroupTracker:
             self.by_model = True
             self.current = rec
             n = self.n_blocks = len(rec.blocks)
-            actions = self.actions_now = self.actions(n)
+            actions = self.actions_now = [
+                "recompute" if a == SELECTIVE and compiled(b) else a
+                for a, b in zip(self.actions(n), rec.blocks)
+            ]
             step.kept_groups = actions.count("keep")
             step.group_policy = list(actions)
             self._wrap_recomputed(rec, actions)

@@ -243,14 +243,17 @@ class IO:
         self.backend.close()
 
 
-BUDGET_WAITS = "default (TBA_MEMORY_BUDGET is set)"  # the source of that staging_full
+# the source of that staging_full
+BUDGET_WAITS = "default (TBA_MEMORY_BUDGET is set, or TBA_POLICY=auto, which always has one)"
 
 
 def with_budget_backpressure(config: Config) -> Config:
-    """``config`` with TBA_STAGING_FULL=wait when TBA_MEMORY_BUDGET is set and TBA_STAGING_FULL
-    was left at its default, else ``config`` itself (NOTE [Staging backpressure]). The copy's
+    """``config`` with TBA_STAGING_FULL=wait when TBA_MEMORY_BUDGET is set (or TBA_POLICY=auto,
+    whose default budget is DEFAULT_BUDGET_SHARE) and TBA_STAGING_FULL was left at its default,
+    else ``config`` itself (NOTE [Staging backpressure]). The copy's
     ``sources`` say why (:data:`BUDGET_WAITS`); the given Config is not changed."""
-    if config.memory_budget is None or config.sources.get("staging_full") != "default":
+    bounded = config.memory_budget is not None or config.policy == "auto"  # auto has a budget
+    if not bounded or config.sources.get("staging_full") != "default":
         return config
     out = copy.copy(config)  # not replace(): that would resolve every field afresh
     object.__setattr__(out, "staging_full", "wait")

@@ -29,6 +29,10 @@ in backward takes those from memory instead of computing them again, and compute
    out fresh aliases each time the block is recomputed.
 5. Cost: the dispatch mode is Python on every op of the block, forward and recompute (about
    5 us an op); the recompute timer measures what the block's recompute then costs.
+6. A compiled block (``torch.compile(block)``, or ``block.compile()``) is recomputed whole
+   instead, and its action says ``recompute``: dynamo does not compile a frame while a Python
+   dispatch mode is active, so under selective the block would lose its compiled code (its
+   graph count fell to 0 in tests/integrations/test_compile.py).
 
 Before a block has run ``selective``, the chooser (NOTE [Chooser] in tba/chooser.py) needs
 what it would keep: the pack hook marks a saved tensor whose autograd history, through views,
@@ -45,7 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["KEPT_OPS", "Selective", "kept_by_selective"]
+__all__ = ["KEPT_OPS", "Selective", "compiled", "kept_by_selective"]
 
 # aten ops whose outputs selective keeps: products a recompute would pay FLOPs for, per byte
 KEPT_OPS = (
@@ -116,6 +120,16 @@ def kept_by_selective(t: torch.Tensor) -> bool:
             return False
         fn = nxt[0]
     return False
+
+
+def compiled(block: torch.nn.Module) -> bool:
+    """True when ``block`` runs compiled code (``torch.compile(block)``, or ``block.compile()``
+    in place). Dynamo does not compile frames while a Python dispatch mode is active, so under
+    selective such a block would run eager: it is recomputed whole instead (point 6 of the
+    NOTE), keeping its compiled code."""
+    return isinstance(block, torch._dynamo.eval_frame.OptimizedModule) or (
+        getattr(block, "_compiled_call_impl", None) is not None
+    )
 
 
 def _has_dropout(func: Any, args: tuple, kwargs: dict) -> bool:

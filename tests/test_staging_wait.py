@@ -124,7 +124,7 @@ def test_bad_values_are_config_errors():
 def test_a_memory_budget_makes_a_full_staging_wait(core):
     c = core(memory_budget="64MiB", staging_wait=30)
     assert c.io.config.staging_full == "wait"
-    assert c.io.config.sources["staging_full"] == "default (TBA_MEMORY_BUDGET is set)"
+    assert c.io.config.sources["staging_full"].startswith("default (TBA_MEMORY_BUDGET is set")
     assert c.config.staging_full == "keep"  # the Config itself is left as it was resolved
     opened = threading.Timer(0.2, c.backend.open)  # the drive catches up 0.2 s later
     opened.start()
@@ -136,6 +136,12 @@ def test_a_memory_budget_makes_a_full_staging_wait(core):
     want = [x.clone() for x in xs]
     del xs
     assert all(torch.equal(c.unpack(h), w) for h, w in zip(reversed(hs), reversed(want)))
+
+
+def test_auto_waits_too(core):
+    """TBA_POLICY=auto always has a budget (DEFAULT_BUDGET_SHARE when none is set)."""
+    assert core(policy="auto").io.config.staging_full == "wait"
+    assert core(policy="auto", staging_full="keep").io.config.staging_full == "keep"
 
 
 @pytest.mark.parametrize("cfg", [{}, {"memory_budget": "64MiB", "staging_full": "keep"}])
