@@ -153,7 +153,8 @@ _FIELDS: dict[str, _Field] = {
         "What happens to each block's saved tensors (NOTE [Block policy] in tba/recompute.py). "
         "offload (default, today's behaviour): written to disk, the last TBA_KEEP_LAST blocks "
         "kept; recompute: every block runs under activation checkpointing, chosen at run time; "
-        "keep: nothing written; auto: keep, offload or recompute per block, chosen from "
+        "keep: nothing written; selective: recomputed but for the matrix products (NOTE "
+        "[Selective recompute]); auto: one of these per block, chosen from "
         "measured compute time, bandwidth and the memory budget (NOTE [Chooser]).",
     ),
     "block_policy": _Field(

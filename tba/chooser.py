@@ -25,13 +25,15 @@ most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (5^6
 W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
 local search. It replays the uniform assignments (every block recomputed, offloaded, kept) and
 the keep-last ones (the last k blocks kept, the rest all given one of the other actions, for
-up to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1), then, from the best ``DESCENTS`` of
+up to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1) and the same with the last k blocks
+selective, then, from the best ``DESCENTS`` of
 those, changes one block at a time while that improves the objective. It stops after
 ``max_sims`` replays (``SEARCH_SIMS`` at run time) and answers the best assignment it
 replayed. Each replay is Python on the training thread, about 2.5 ms for 16 blocks: the
 earlier search (a descent from every start, with no bound) took 3,885 replays and 10 s for a
 16-block model on an H200 and grew with the cube of the depth; this one takes 204 for the
-same model, with the same answer. Blocks in ``fixed`` (forced by TBA_BLOCK_POLICY, or
+same model, with the same answer (349 since the selective starts, which found a 3% shorter
+step for the 7B of BENCHMARKS.md; 1.1 s here). Blocks in ``fixed`` (forced by TBA_BLOCK_POLICY, or
 checkpointed by the user) do not change.
 """
 
@@ -211,7 +213,8 @@ def choose(
 
         # in the order _starts gives (a set would follow string hashes, which differ per
         # process): ties in rank then go the same way in every process
-        starts = sorted(dict.fromkeys(sim(pin(s)) for s in _starts(n)), key=rank)
+        offered = any(SELECTIVE in o for o in options)
+        starts = sorted(dict.fromkeys(sim(pin(s)) for s in _starts(n, offered)), key=rank)
         for p in starts[:DESCENTS]:
             _descend(p, sim, rank, options, left)
         best = min(seen.values(), key=rank)  # every replay counts, a cut-off descent's too
@@ -219,16 +222,23 @@ def choose(
     return Choice(best, fits, len(seen), exhaustive, budget)
 
 
-def _starts(n: int) -> list[list[str]]:
+def _starts(n: int, selective: bool = True) -> list[list[str]]:
     """The assignments the local search replays first: uniform ones, then the last k blocks
-    kept and the rest given one other action, for up to KEEP_LAST_STARTS values of k spread
-    over 1..n-1."""
+    kept (or selective) and the rest given one other action, for up to KEEP_LAST_STARTS values
+    of k spread over 1..n-1. The selective tails are there because one block at a time does not
+    get from a keep-last start to them: on the 7B of BENCHMARKS.md, trading a kept block for a
+    selective one is slower, and an offloaded one for it overruns the budget, while 17
+    selective blocks after 15 recompute_offload ones are 3% faster than the best keep-last
+    descent. Without ``selective`` (no block offers it) there are no selective tails."""
     out = [[a] * n for a in ACTIONS]
     if n > 1:
         m = min(n - 1, KEEP_LAST_STARTS)
         ks = sorted({1 + round(i * (n - 2) / max(1, m - 1)) for i in range(m)})
-        lead = ("recompute", "offload", "recompute_offload", SELECTIVE)
-        out += [[a] * (n - k) + ["keep"] * k for k in ks for a in lead]
+        for tail in ("keep", SELECTIVE) if selective else ("keep",):
+            lead = [
+                a for a in ("recompute", "offload", "recompute_offload", SELECTIVE) if a != tail
+            ]
+            out += [[a] * (n - k) + [tail] * k for k in ks for a in lead]
     return out
 
 

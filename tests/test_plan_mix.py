@@ -9,6 +9,7 @@ import pytest
 from tba import cli
 from tba import plan as P
 from tba.chooser import Cost, predict
+from tba.plan.mix import _selective
 
 from .test_plan import SHAPE, fake_trace, toy
 
@@ -26,16 +27,33 @@ def run(capsys, *extra, budget=None, text=False):
     return rc, out, err
 
 
+# what selective keeps of a layer of SHAPE's model (GPT, fused attention, no dropout)
+PRODUCTS = {"q,k,v", "act.in", "attn.out", "attn.lse"}
+
+
 def by_hand(w, hw, actions, prefetch=128 * MiB):
-    """The chooser's prediction for ``actions``, its groups written out here, not by tba.plan."""
-    groups = [Cost(g.fwd, g.bwd, g.nbytes, g.input_bytes, g.block) for g in w.groups]
+    """The chooser's prediction for ``actions``, its groups written out here, not by tba.plan
+    (selective's recompute share is the one thing taken from it)."""
+    share = _selective(w.shape)[1] if w.shape is not None else 0.0
+    groups = [
+        Cost(
+            g.fwd,
+            g.bwd,
+            g.nbytes,
+            g.input_bytes,
+            g.block,
+            cached_bytes=sum(x.nbytes for x in g.saved if x.name in PRODUCTS) if g.block else None,
+            selective_recompute=share * g.fwd,
+        )
+        for g in w.groups
+    ]
     return predict(groups, actions, hw.write_rate, hw.read_rate, prefetch)
 
 
 def test_json_mix_is_what_the_chooser_predicts(capsys):
     rc, m, _ = run(capsys)
     assert rc == 0 and m["available"] and m["search"] == "exhaustive"
-    assert m["searched"] == 4**4  # 4 blocks: every assignment of 4 actions
+    assert m["searched"] == 5**4  # 4 blocks: every assignment of 5 actions
     hw = P.Hardware(0.5e9, 1e9, flops=1e12)
     w = P.workload_from_shape(P.ModelShape(4, 256, 4, 256, batch=2), hw)
     got = by_hand(w, hw, m["actions"])
@@ -106,7 +124,7 @@ def test_text_mix_section(capsys):
     rc, text, err = run(capsys, "--write-gbps", "1e-3", text=True)
     assert rc == 0 and err == ""  # 4 blocks: exhaustive, no note about a long search
     mix = text[text.index("\nmix: ") :]
-    assert "search:   exhaustive: 256 assignments simulated" in mix
+    assert "search:   exhaustive: 625 assignments simulated" in mix
     assert "blocks:   " in mix and "recompute x" in mix
     for row in ("keep all", "checkpoint all", "mix "):
         assert f"\n{row}" in mix
@@ -146,3 +164,24 @@ def test_mix_projections_table(monkeypatch, capsys):
         assert f"\n{r['drives']}  " in text
     assert P.render_mix_projections(rows) in text
     assert "step/keep-all" in text and "vs checkpoint-all" in text
+
+
+def test_selective_is_charged_the_layer_products_and_the_rest_of_its_forward():
+    """With the model's shape, a block offers selective: it keeps the saved products (what the
+    runtime's probe would see) and recomputes the share of the forward that is not them."""
+    hw = P.Hardware(0.5e9, 1e9, flops=1e12)
+    for arch, kept in (
+        ("gpt", {"q,k,v", "act.in", "attn.out", "attn.lse"}),
+        ("llama", {"q,k,v", "gate.out", "up.out", "attn.out", "attn.lse"}),
+    ):
+        shape = P.ModelShape(4, 256, 4, 256, batch=2, arch=arch)
+        w = P.workload_from_shape(shape, hw)
+        groups = P.mix.costs(w)
+        block = next(g for g, c in zip(w.groups, groups) if c.block)
+        cost = next(c for c in groups if c.block)
+        assert cost.cached_bytes == sum(x.nbytes for x in block.saved if x.name in kept)
+        assert 0 < cost.cached_bytes < cost.nbytes
+        assert 0 < cost.selective_recompute < 0.5 * cost.fwd
+    explicit = P.ModelShape(4, 256, 4, 256, batch=2, attention="explicit")
+    names, share = _selective(explicit)
+    assert "attn.out" not in names and share > _selective(P.ModelShape(4, 256, 4, 256))[1]

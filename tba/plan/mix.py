@@ -16,10 +16,18 @@ saved bytes (kept, staging, read-back, a recomputed block's saves), the quantity
 TBA_MEMORY_BUDGET bounds. The budget: ``--budget`` read as TBA_MEMORY_BUDGET is, else
 ``--device-mem``, else the runtime's default share of the step's saved bytes. A trace does not
 record a block's input bytes, so it has no mix.
+
+With the model's shape the chooser may also give a block ``selective`` (NOTE [Selective
+recompute] in tba/selective.py): it is charged the bytes of the layer's saved products as kept
+until its backward, and a recompute of the share of the layer's forward that is not those
+products (by the shape's op placement: the GEMMs by FLOPs, the other ops 10% of the layer).
+At run time tba measures both (NOTE [Selective recompute cost] in tba/autopolicy.py); here they
+are the shape's arithmetic, and the Python dispatch mode's cost per op is not counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -30,14 +38,44 @@ from ..budget import allowed_bytes, describe
 from ..chooser import Cost, Prediction, choose, predict
 from ..errors import ValueParseError
 from .inputs import Hardware, Knobs, PlanInputError
+from .shape import ModelShape, _op_spans
 from .workload import Workload
 
 
 def costs(w: Workload) -> list[Cost] | None:
-    """The chooser's groups for ``w``; None when a block's input bytes are unknown (a trace)."""
+    """The chooser's groups for ``w``; None when a block's input bytes are unknown (a trace).
+    With the model's shape, blocks say what ``selective`` keeps and recomputes (NOTE [Planner
+    mix], last paragraph)."""
     if any(g.block and g.input_bytes is None for g in w.groups):
         return None
-    return [Cost(g.fwd, g.bwd, g.nbytes, g.input_bytes or 0, g.block) for g in w.groups]
+    kept, share = _selective(w.shape) if w.shape is not None else (None, None)
+    out = []
+    for g in w.groups:
+        c = Cost(g.fwd, g.bwd, g.nbytes, g.input_bytes or 0, g.block)
+        if g.block and kept is not None:
+            c = dataclasses.replace(
+                c,
+                cached_bytes=sum(x.nbytes for x in g.saved if x.name in kept),
+                selective_recompute=share * g.fwd,
+            )
+        out.append(c)
+    return out
+
+
+def _selective(m: ModelShape) -> tuple[frozenset[str], float]:
+    """What ``selective`` keeps of a layer (the names of its saved products: the q/k/v
+    projection, the MLP's first products, and fused attention's output when it has no
+    dropout) and the share of the layer's forward its recompute runs: the norms and
+    elementwise ops, the output projection (whose product nothing saves), and unfused or
+    dropout attention. The last product is never recomputed: the recompute stops once it has
+    what backward needs."""
+    fused = m.attention != "explicit" and not m.dropout
+    kept = {"q,k,v", "gate.out", "up.out", "act.in"} | (
+        {"attn.out", "attn.lse"} if fused else set()
+    )
+    again = {"ln1", "ln2", "act", "mul", "proj"} | (set() if fused else {"attention"})
+    spans = _op_spans(m)
+    return frozenset(kept), sum(b - a for name, (a, b) in spans.items() if name in again)
 
 
 def budget_for(

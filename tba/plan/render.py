@@ -138,7 +138,8 @@ def mix_lines(m: dict[str, Any]) -> list[str]:
         return [f"mix: not available: {m['reason']}"]
     search = "exhaustive" if m["search"] == "exhaustive" else "a local search, not exhaustive"
     lines = [
-        "mix:      keep, offload or recompute per block, as TBA_POLICY=auto chooses (tba.chooser)",
+        "mix:      keep, offload, recompute or selective per block, as TBA_POLICY=auto chooses "
+        "(tba.chooser)",
         f"search:   {search}: {m['searched']:,} assignments simulated",
         f"model:    the runtime's: unbounded staging, a {format_size(m['prefetch_bytes'])} "
         "read-ahead window, no copy costs",
