@@ -200,7 +200,7 @@ class KeepController:
             for x in records
         ]
         base = sum(g.fwd + g.bwd for g in groups)
-        stalled = sum(x["stall_seconds"] for x in records)
+        stalled = sum(x["stall_seconds"] + x.get("pack_stall_seconds", 0.0) for x in records)
         basis = (w, r) if allowed is None else (w, r, float(allowed))
         drifted = self.basis is None or any(
             abs(now - then) > DRIFT * then for now, then in zip(basis, self.basis)

@@ -73,7 +73,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         got = self.packer.pack(t, st)
         gs = self.packer.groups.stat
         if gs is not None:
-            gs.pack_seconds += time.perf_counter() - t0 - (st.stall_seconds - stalled)
+            waited = st.stall_seconds - stalled  # for staging (NOTE [Staging backpressure])
+            gs.pack_seconds += time.perf_counter() - t0 - waited
+            gs.pack_stall_seconds += waited
         return got
 
     @torch.compiler.disable

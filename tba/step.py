@@ -67,6 +67,7 @@ class GroupStat:
         "hidden_bytes",
         "recompute_seconds",
         "pack_seconds",
+        "pack_stall_seconds",
         "unpack_seconds",
         "cached_bytes",
         "cacheable_bytes",
@@ -98,6 +99,8 @@ class GroupStat:
         self.hidden_bytes = 0  # saved inside tba's checkpoint of the block (not packed by tba)
         self.recompute_seconds = 0.0  # backward's run of the block's forward again
         self.pack_seconds = 0.0  # in tba's pack hook, stalls excluded (NOTE [Hook time])
+        # packs waiting for staging: not the block's compute, so not in its fwd_seconds
+        self.pack_stall_seconds = 0.0
         self.unpack_seconds = 0.0  # in tba's unpack hook for this group's handles, less stalls
         self.cached_bytes = 0  # kept by selective recompute (NOTE [Selective recompute])
         self.cacheable_bytes = 0  # saved outputs of selective's KEPT_OPS: what it would keep
@@ -246,6 +249,7 @@ class StepState:
                     "hidden_bytes": gs.hidden_bytes,
                     "recompute_seconds": gs.recompute_seconds,
                     "pack_seconds": gs.pack_seconds,
+                    "pack_stall_seconds": gs.pack_stall_seconds,
                     "unpack_seconds": gs.unpack_seconds,
                     "cached_bytes": gs.cached_bytes,
                     "cacheable_bytes": gs.cacheable_bytes,
@@ -255,7 +259,7 @@ class StepState:
                     "offloaded_bytes": gs.offloaded_bytes,
                     "kept_bytes": gs.kept_bytes,
                     "keepable_bytes": gs.keepable_bytes,
-                    "fwd_seconds": max(0.0, gs.fwd_end - gs.fwd_start),
+                    "fwd_seconds": max(0.0, gs.fwd_end - gs.fwd_start - gs.pack_stall_seconds),
                     "bwd_seconds": bwd,
                     "write_seconds": max(0.0, gs.write_last - gs.write_first)
                     if gs.write_first

@@ -6,9 +6,9 @@ Format (version 1), documented in the README:
   once per Offloader;
 - per group of a step whose backward has run, in forward order: ``{"type": "group", "step",
   "group", "kept", "action", "input_bytes", "hidden_bytes", "recompute_seconds",
-  "pack_seconds", "unpack_seconds", "cached_bytes", "cacheable_bytes", "tensors", "packed_bytes",
-  "offloaded_bytes", "kept_bytes", "keepable_bytes", "fwd_seconds", "bwd_seconds",
-  "write_seconds", "read_seconds", "stall_seconds", "sync_loads"}``;
+  "pack_seconds", "pack_stall_seconds", "unpack_seconds", "cached_bytes", "cacheable_bytes",
+  "tensors", "packed_bytes", "offloaded_bytes", "kept_bytes", "keepable_bytes", "fwd_seconds",
+  "bwd_seconds", "write_seconds", "read_seconds", "stall_seconds", "sync_loads"}``;
 - then ``{"type": "step", "step", "forward_seconds", "backward_seconds", "step_seconds",
   "saved_bytes", "peak_resident_bytes", "bytes_offloaded", "bytes_reloaded", "stall_seconds",
   "sync_loads", "write_bps", "read_bps", "keep_last", "keep_decision", "group_policy",

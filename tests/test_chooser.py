@@ -348,3 +348,25 @@ def test_a_choice_measured_over_the_budget_lowers_the_target():
     other = records(["offload"] * 6)  # a step that did not run the choice says nothing of it
     ctl.observe(4, other, 20e6, 20e6, budget, 128 * MiB, peak=2 * limit)
     assert ctl.excess == 5 * MiB
+
+
+def test_an_overrun_is_charged_once_per_decision():
+    """NOTE [Budget margin]: steps run before the controller decides again (its pacer not
+    ready) repeat one choice; only the first of them lowers the target. Charging each drove
+    the target below zero on W1 at 20 MB/s, and auto to the lowest peak for good."""
+    clock = FakeClock()
+    ctl = PolicyController("auto", None, every=50, pacer=Pacer(clock))
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
+    limit = ctl.decision["budget_bytes"]
+    ran = [ctl.assignment()[i] for i in range(6)]
+    ctl.pacer.ready = lambda base: False  # decisions paced out for a while
+    for step in (2, 3, 4):
+        ctl.observe(step, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
+    assert ctl.decision["step"] == 1 and ctl.excess == 5 * MiB
+    del ctl.pacer.ready
+    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
+    assert ctl.decision["step"] == 5 and ctl.decision["target_bytes"] == int(0.98 * limit) - 5 * MiB
+    ran = [ctl.assignment()[i] for i in range(6)]
+    ctl.observe(6, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 2 * MiB)
+    assert ctl.excess == 7 * MiB  # the new choice went over too: its overrun adds

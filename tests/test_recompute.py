@@ -220,3 +220,28 @@ def test_hooks_time_themselves_per_group(make_offloader):
     for r in recs:
         assert 0 <= r["pack_seconds"] <= r["fwd_seconds"]
         assert r["unpack_seconds"] >= 0
+
+
+def test_packs_waiting_for_staging_are_not_the_blocks_compute(make_offloader):
+    """A pack that waits for a full staging (NOTE [Staging backpressure]) stalls; its group's
+    record says so in ``pack_stall_seconds`` and leaves it out of ``fwd_seconds``, which the
+    chooser and adaptive keep read as compute. Counted in, W1's first auto step at 20 MB/s
+    made each block's forward look 9 s long and every recompute dear."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=256, hidden=128, heads=4, layers=3)
+    model = GPT(cfg)
+    off = make_offloader(
+        keep_last=0, staging_bytes="4MiB", staging_full="wait", max_write_bps="50MB/s"
+    )
+    with off.step(model):
+        loss = model(*random_batch(cfg, 4, seed=0))
+    loss.backward()
+    st, recs = off.stats(), off._last.group_records()
+    waited = [r["pack_stall_seconds"] for r in recs]
+    assert st["pack_stall_seconds"] > 0.1 and "staging_full" not in st["kept_reasons"]
+    assert sum(waited) == pytest.approx(st["pack_stall_seconds"])  # every pack is in a group
+    assert sum(waited[1::2]) > 0  # the blocks' own packs waited
+    for r in recs:
+        assert r["fwd_seconds"] >= 0 and r["pack_seconds"] <= r["fwd_seconds"] + 1e-9
+    # the groups' forwards and their waits tile the step's forward, each second counted once
+    assert sum(r["fwd_seconds"] for r in recs) + sum(waited) <= st["forward_seconds"] + 1e-3
