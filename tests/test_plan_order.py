@@ -67,13 +67,18 @@ def test_a_newer_forward_keeps_its_reads_when_an_older_backward_starts(make_offl
     off = make(make_offloader, 8 * MiB)  # room for both micro-batches
     model = mlp()
     reads = []
-    real = off.reader.start_read
+    real, staged = off.reader.start_read, off.io.staged_to_host
 
     def spy(e):
         reads.append(e)
         real(e)
 
+    def spy_staged(e):  # asked for while still being written: served from staging, not read
+        reads.append(e)
+        staged(e)
+
     off.prefetcher.start = off.reader.start_read = spy  # prefetches and sync loads
+    off.io.staged_to_host = spy_staged  # a slow write (a loaded machine) takes this way
     losses, steps = forwards(off, model, xs)
     off.synchronize()  # both plans read as far as the budget goes
     issued = len(reads)
