@@ -73,8 +73,9 @@ log = logging.getLogger("tba")
 # against a budget of 0.35). So the chooser aims under MARGIN of the budget, and when a step
 # that ran auto's choice measures over the budget all the same, the excess is taken off the
 # target for good and the controller decides again at once (or when its pacer allows: the
-# steps run meanwhile repeat the same choice, and only the first of them is charged; charging
-# each had driven the target below zero on W1 at 20 MB/s, three steps of one choice).
+# steps run meanwhile repeat the same choice, and the target comes down by the largest of
+# their overruns, not their sum: charging each had driven the target below zero on W1 at
+# 20 MB/s, three steps of one choice).
 MARGIN = 0.98
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
@@ -113,6 +114,8 @@ class PolicyController:
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
         self.charged = -1  # the decision (its step) whose overrun ``excess`` holds
+        self.excess_before = 0  # ``excess`` before that decision's overrun
+        self.worst = 0  # that decision's largest overrun so far
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -159,9 +162,11 @@ class PolicyController:
             and bool(self.chosen)
             and ran == [self.assignment().get(i, a) for i, a in enumerate(ran)]
         )
-        if over and self.charged != self.decided_at:  # NOTE [Budget margin]
-            self.excess += peak - limit
-            self.charged = self.decided_at
+        if over:  # NOTE [Budget margin]: the largest overrun of this decision's steps
+            if self.charged != self.decided_at:
+                self.charged, self.excess_before, self.worst = self.decided_at, self.excess, 0
+            self.worst = max(self.worst, peak - limit)
+            self.excess = self.excess_before + self.worst
         base = sum(g.fwd + g.bwd for g in groups)
         stalled = sum(x["stall_seconds"] + x.get("pack_stall_seconds", 0.0) for x in records)
         drifted = self.basis is None or any(

@@ -352,8 +352,9 @@ def test_a_choice_measured_over_the_budget_lowers_the_target():
 
 def test_an_overrun_is_charged_once_per_decision():
     """NOTE [Budget margin]: steps run before the controller decides again (its pacer not
-    ready) repeat one choice; only the first of them lowers the target. Charging each drove
-    the target below zero on W1 at 20 MB/s, and auto to the lowest peak for good."""
+    ready) repeat one choice; the target comes down by the largest of their overruns, not
+    their sum. Charging each drove the target below zero on W1 at 20 MB/s, and auto to the
+    lowest peak for good."""
     clock = FakeClock()
     ctl = PolicyController("auto", None, every=50, pacer=Pacer(clock))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
@@ -364,9 +365,11 @@ def test_an_overrun_is_charged_once_per_decision():
     for step in (2, 3, 4):
         ctl.observe(step, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
     assert ctl.decision["step"] == 1 and ctl.excess == 5 * MiB
+    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 3 * MiB)
+    assert ctl.excess == 5 * MiB  # the largest overrun of the decision's steps
     del ctl.pacer.ready
-    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
-    assert ctl.decision["step"] == 5 and ctl.decision["target_bytes"] == int(0.98 * limit) - 5 * MiB
+    ctl.observe(6, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 8 * MiB)
+    assert ctl.decision["step"] == 6 and ctl.decision["target_bytes"] == int(0.98 * limit) - 8 * MiB
     ran = [ctl.assignment()[i] for i in range(6)]
-    ctl.observe(6, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 2 * MiB)
-    assert ctl.excess == 7 * MiB  # the new choice went over too: its overrun adds
+    ctl.observe(7, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 2 * MiB)
+    assert ctl.excess == 10 * MiB  # the new choice went over too: its overrun adds
