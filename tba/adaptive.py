@@ -41,7 +41,7 @@ from typing import Any
 
 from .budget import MIN_WINDOW, allowed_bytes, window_room
 from .depth import DepthController
-from .pacer import DRIFT, STALL_SHARE, Pacer
+from .pacer import DRIFT, STALL_SHARE, Pacer, stalled_seconds
 from .simulator import DEPTH_SAFETY, PIECE, Engine, Saved, Setup, Span, pieces, read_ahead
 
 __all__ = [
@@ -200,7 +200,7 @@ class KeepController:
             for x in records
         ]
         base = sum(g.fwd + g.bwd for g in groups)
-        stalled = sum(x["stall_seconds"] + x.get("pack_stall_seconds", 0.0) for x in records)
+        stalled = stalled_seconds(records)
         basis = (w, r) if allowed is None else (w, r, float(allowed))
         drifted = self.basis is None or any(
             abs(now - then) > DRIFT * then for now, then in zip(basis, self.basis)

@@ -10,7 +10,7 @@ from typing import Any
 
 from .chooser import BARE, SEARCH_SIMS, Cost, choose
 from .config import BY_BLOCK, RECOMPUTED, SELECTIVE
-from .pacer import DRIFT, STALL_SHARE, Pacer
+from .pacer import DRIFT, STALL_SHARE, Pacer, stalled_seconds
 
 __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
 
@@ -113,9 +113,8 @@ class PolicyController:
         self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
-        self.charged = -1  # the decision (its step) whose overrun ``excess`` holds
-        self.excess_before = 0  # ``excess`` before that decision's overrun
-        self.worst = 0  # that decision's largest overrun so far
+        self.excess_before = 0  # ``excess`` when the current decision was taken
+        self.worst = 0  # the current decision's largest overrun so far
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -163,12 +162,10 @@ class PolicyController:
             and ran == [self.assignment().get(i, a) for i, a in enumerate(ran)]
         )
         if over:  # NOTE [Budget margin]: the largest overrun of this decision's steps
-            if self.charged != self.decided_at:
-                self.charged, self.excess_before, self.worst = self.decided_at, self.excess, 0
             self.worst = max(self.worst, peak - limit)
             self.excess = self.excess_before + self.worst
         base = sum(g.fwd + g.bwd for g in groups)
-        stalled = sum(x["stall_seconds"] + x.get("pack_stall_seconds", 0.0) for x in records)
+        stalled = stalled_seconds(records)
         drifted = self.basis is None or any(
             abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
         )
@@ -188,6 +185,7 @@ class PolicyController:
         chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
+        self.excess_before, self.worst = self.excess, 0
         why = "fastest predicted step within the budget" if got.fits else "none fits: lowest peak"
         self.decision = {
             "policy": "auto",

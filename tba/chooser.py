@@ -26,15 +26,15 @@ W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision mus
 local search. It replays the uniform assignments (every block recomputed, offloaded, kept) and
 the keep-last ones (the last k blocks kept, the rest all given one of the other actions, for
 up to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1) and the same with the last k blocks
-selective, then, from the best ``DESCENTS`` of
-those, changes one block at a time while that improves the objective. It stops after
+selective, then, from the best ``DESCENTS`` of those, changes one block at a time while that
+improves the objective. It stops after
 ``max_sims`` replays (``SEARCH_SIMS`` at run time) and answers the best assignment it
 replayed. Each replay is Python on the training thread, about 2.5 ms for 16 blocks: the
 earlier search (a descent from every start, with no bound) took 3,885 replays and 10 s for a
 16-block model on an H200 and grew with the cube of the depth; this one takes 204 for the
 same model, with the same answer (349 since the selective starts, which found a 3% shorter
-step for the 7B of BENCHMARKS.md; 1.1 s here). Blocks in ``fixed`` (forced by TBA_BLOCK_POLICY, or
-checkpointed by the user) do not change.
+step for the 7B of BENCHMARKS.md; 1.1 s on a 2-core VM). Blocks in ``fixed`` (forced by
+TBA_BLOCK_POLICY, or checkpointed by the user) do not change.
 """
 
 from __future__ import annotations

@@ -19,10 +19,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["DECISION_SHARE", "DRIFT", "STALL_SHARE", "Pacer"]
+__all__ = ["DECISION_SHARE", "DRIFT", "STALL_SHARE", "Pacer", "stalled_seconds"]
 
 STALL_SHARE = 0.01  # a K is good enough when its predicted stall is at most this share of a step
 DRIFT = 0.25  # re-decide when a bandwidth moves by more than this
+
+
+def stalled_seconds(records) -> float:
+    """A step's stalls from its group records: waits for reads, and packs waiting for a full
+    staging (NOTE [Staging backpressure] in tba/staging.py), which are not in any fwd_seconds."""
+    return sum(x["stall_seconds"] + x.get("pack_stall_seconds", 0.0) for x in records)
+
+
 DECISION_SHARE = 0.01  # most share of compute time decisions take (the NOTE)
 
 
