@@ -72,10 +72,12 @@ log = logging.getLogger("tba")
 # that just fits, which then measures just over (sorroo at 200 MB/s: 0.351 of the saved bytes
 # against a budget of 0.35). So the chooser aims under MARGIN of the budget, and when a step
 # that ran auto's choice measures over the budget all the same, the excess is taken off the
-# target for good and the controller decides again at once (or when its pacer allows: the
-# steps run meanwhile repeat the same choice, and the target comes down by the largest of
-# their overruns, not their sum: charging each had driven the target below zero on W1 at
-# 20 MB/s, three steps of one choice).
+# target for good and the controller decides again at once, paced or not (NOTE [Decision
+# cost]). It used to wait for its pacer: on W1 at 200 MB/s the first choice (ssoook) was
+# predicted at a peak of 264 MB and measured 366 MB, and it ran four steps over the budget
+# before the pacer let the controller decide again; then, charging each of those steps had
+# driven the target far down (below zero on W1 at 20 MB/s, three steps of one choice). Now
+# each overrun is of a choice made knowing every earlier one, so each is charged.
 MARGIN = 0.98
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
@@ -113,8 +115,6 @@ class PolicyController:
         self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
-        self.excess_before = 0  # ``excess`` when the current decision was taken
-        self.worst = 0  # the current decision's largest overrun so far
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -161,9 +161,8 @@ class PolicyController:
             and bool(self.chosen)
             and ran == [self.assignment().get(i, a) for i, a in enumerate(ran)]
         )
-        if over:  # NOTE [Budget margin]: the largest overrun of this decision's steps
-            self.worst = max(self.worst, peak - limit)
-            self.excess = self.excess_before + self.worst
+        if over:  # NOTE [Budget margin]: charged, and decided again below at once
+            self.excess += peak - limit
         base = sum(g.fwd + g.bwd for g in groups)
         stalled = stalled_seconds(records)
         drifted = self.basis is None or any(
@@ -173,7 +172,7 @@ class PolicyController:
         due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
         if not (drifted or due or self.learned or over):
             return
-        if not ready:  # NOTE [Decision cost]
+        if not ready and not over:  # NOTE [Decision cost]: an overrun does not wait
             return
         t0 = self.pacer.start()
         target = None if limit is None else int(MARGIN * limit) - self.excess
@@ -185,7 +184,6 @@ class PolicyController:
         chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
-        self.excess_before, self.worst = self.excess, 0
         why = "fastest predicted step within the budget" if got.fits else "none fits: lowest peak"
         self.decision = {
             "policy": "auto",

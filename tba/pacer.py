@@ -10,8 +10,9 @@ does not show; on an H200, whose 16-block Llama step takes 75 ms, adaptive keep 
 after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Pacer`): after
 one that took d seconds, the next waits until the steps since have computed for at least
 d / DECISION_SHARE seconds, whatever asks for it (the schedule, a drift, a stall). The first
-decision waits for nothing, and neither does adaptive keep when a step went over
-TBA_MEMORY_BUDGET: a broken memory bound is not left standing to save time.
+decision waits for nothing, and neither does a controller (adaptive keep, or auto's chooser)
+when a step went over TBA_MEMORY_BUDGET: a broken memory bound is not left standing to save
+time.
 """
 
 from __future__ import annotations

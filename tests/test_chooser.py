@@ -350,26 +350,25 @@ def test_a_choice_measured_over_the_budget_lowers_the_target():
     assert ctl.excess == 5 * MiB
 
 
-def test_an_overrun_is_charged_once_per_decision():
-    """NOTE [Budget margin]: steps run before the controller decides again (its pacer not
-    ready) repeat one choice; the target comes down by the largest of their overruns, not
-    their sum. Charging each drove the target below zero on W1 at 20 MB/s, and auto to the
-    lowest peak for good."""
+def test_an_overrun_decides_at_once_paced_or_not():
+    """NOTE [Budget margin]: a step over the budget makes the controller decide again at the
+    next observation even while its pacer says wait (on W1 at 200 MB/s the first choice ran four
+    steps over the budget waiting for the pacer), and each overrun comes off the target."""
     clock = FakeClock()
     ctl = PolicyController("auto", None, every=50, pacer=Pacer(clock))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
     limit = ctl.decision["budget_bytes"]
-    ran = [ctl.assignment()[i] for i in range(6)]
     ctl.pacer.ready = lambda base: False  # decisions paced out for a while
-    for step in (2, 3, 4):
-        ctl.observe(step, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
-    assert ctl.decision["step"] == 1 and ctl.excess == 5 * MiB
-    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 3 * MiB)
-    assert ctl.excess == 5 * MiB  # the largest overrun of the decision's steps
-    del ctl.pacer.ready
-    ctl.observe(6, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 8 * MiB)
-    assert ctl.decision["step"] == 6 and ctl.decision["target_bytes"] == int(0.98 * limit) - 8 * MiB
     ran = [ctl.assignment()[i] for i in range(6)]
-    ctl.observe(7, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 2 * MiB)
-    assert ctl.excess == 10 * MiB  # the new choice went over too: its overrun adds
+    ctl.observe(2, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit)  # at, not over
+    assert ctl.decision["step"] == 1 and ctl.excess == 0
+    ctl.observe(3, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
+    assert ctl.decision["step"] == 3 and ctl.excess == 5 * MiB
+    assert ctl.decision["target_bytes"] == int(0.98 * limit) - 5 * MiB
+    ran = [ctl.assignment()[i] for i in range(6)]
+    ctl.observe(4, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit - MiB)
+    assert ctl.decision["step"] == 3  # within the budget: the pacer stands
+    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 3 * MiB)
+    assert ctl.decision["step"] == 5 and ctl.excess == 8 * MiB
+    assert ctl.decision["target_bytes"] == int(0.98 * limit) - 8 * MiB
