@@ -230,8 +230,14 @@ def test_many_threads_on_the_real_clock_get_the_rate():
         t.join(10)
     elapsed = time.monotonic() - t0
     # The first MiB (the full bucket) goes at once, the rest at the rate.
-    assert (total - MIB) / rate <= elapsed < (total - MIB) / rate + 0.08
-    assert bucket.throttled_seconds == pytest.approx(elapsed, rel=0.15)
+    paced = (total - MIB) / rate
+    assert paced <= elapsed < 1.25 * paced + 0.05
+    # Only the head of the line waiting for tokens counts, never more than the wall time. The
+    # hand-off from an admitted op to the next head is not a wait for tokens and goes uncounted:
+    # a few hundred microseconds per op when idle, up to a fifth of the run on a loaded CI
+    # machine (0.28 of 0.35 s was seen there).
+    throttled = bucket.throttled_seconds
+    assert 0.6 * elapsed <= throttled <= elapsed
 
 
 @pytest.mark.parametrize("release", ["drain", "uncap"])
