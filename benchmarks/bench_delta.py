@@ -86,6 +86,11 @@ def one_step(model, batch, off, checkpoint=False):
     return dt, off.stats()
 
 
+def staging_of(off):
+    """The staging the chooser is told of, as the run has it (NOTE [Chooser])."""
+    return off.config.staging_bytes, off.config.staging_full == "wait"
+
+
 def candidates(off, model, batch, budget, sample, rng, margin=1.0):
     """Assignments predicted within ``margin`` x ``budget`` from one measured offload step,
     maybe sampled. A margin above 1 also runs assignments the simulator puts just over the
@@ -99,7 +104,7 @@ def candidates(off, model, batch, budget, sample, rng, margin=1.0):
     n = sum(g.block for g in groups)
     fit = []
     for letters in itertools.product("".join(LETTER), repeat=n):
-        p = predict(groups, [LETTER[x] for x in letters], w, r, off.depth.depth)
+        p = predict(groups, [LETTER[x] for x in letters], w, r, off.depth.depth, *staging_of(off))
         if p.peak_bytes <= budget * margin:
             fit.append((p.step_seconds, "".join(letters)))
     fit.sort()
@@ -240,7 +245,7 @@ def validate(args, model, batch, spill) -> dict:
             w, r = last.bandwidth(True) or 1e12, last.bandwidth(False) or 1e12
             groups, _ = ctl._costs(last.group_records())
             for a in names:
-                p = predict(groups, [LETTER[x] for x in a], w, r, off.depth.depth)
+                p = predict(groups, [LETTER[x] for x in a], w, r, off.depth.depth, *staging_of(off))
                 off.policy.forced = {i: LETTER[x] for i, x in enumerate(a)}
                 dt, st = one_step(model, batch, off)
                 if rnd >= args.warmup:

@@ -94,8 +94,16 @@ class PolicyController:
     ``offload`` (the last TBA_KEEP_LAST blocks kept; with adaptive keep, none on step 1:
     FIRST_K in tba/adaptive.py)."""
 
-    def __init__(self, policy: str, forced: Any, every: int = 20, pacer: Pacer | None = None):
+    def __init__(
+        self,
+        policy: str,
+        forced: Any,
+        every: int = 20,
+        pacer: Pacer | None = None,
+        staging: tuple[int | None, bool] = (None, False),
+    ):
         self.pacer = pacer or Pacer()
+        self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
         self.chosen: dict[int, str] = {}
@@ -177,7 +185,16 @@ class PolicyController:
         t0 = self.pacer.start()
         target = None if limit is None else int(MARGIN * limit) - self.excess
         got = choose(
-            groups, w, r, target, prefetch, exhaustive_blocks=0, fixed=fixed, max_sims=SEARCH_SIMS
+            groups,
+            w,
+            r,
+            target,
+            prefetch,
+            exhaustive_blocks=0,
+            fixed=fixed,
+            max_sims=SEARCH_SIMS,
+            staging_bytes=self.staging[0],
+            staging_waits=self.staging[1],
         )
         spent = self.pacer.spent(t0)
         self.learned = False

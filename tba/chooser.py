@@ -11,8 +11,13 @@ only where known; NOTE [Selective recompute] in tba/selective.py); a group betwe
 blocks follows the block before it when that one is kept, else it is offloaded (the group
 before the first block is offloaded). An assignment is replayed by the simulator tba plan and
 adaptive keep use (NOTE [Simulator] in tba/simulator/engine.py, its plain runtime case plus
-its Recompute rule), which predicts the step time and the peak of resident saved bytes (kept,
-staging, read-back, a recomputed block's tensors during its backward). Swapping costs what its
+its Recompute rule, and staging bounded by TBA_STAGING_BYTES as the run bounds it: a full
+staging keeps a tensor resident, or with TBA_STAGING_FULL=wait, as ``auto`` runs, stalls the
+forward until writes free it), which predicts the step time and the peak of resident saved
+bytes (kept, staging, read-back, a recomputed block's tensors during its backward). Unbounded
+staging, as the chooser had it at first, let it offload more than a slow disk drains: on W1 at
+50 MB/s it predicted 4 offloaded blocks 20% slower than they ran, the run keeping (or, under a
+budget, waiting for) the ~220 MiB that did not fit in staging. Swapping costs what its
 I/O does not hide behind compute (about max(0, bytes / bandwidth - compute window)), and a
 recompute costs the block's forward once more (``Cost.recompute``: measured when the block has
 been recomputed, else estimated from blocks that have; NOTE [Recompute cost] in
@@ -155,11 +160,21 @@ def predict(
     write_bps: float,
     read_bps: float,
     prefetch_bytes: int,
+    staging_bytes: int | None = None,
+    staging_waits: bool = False,
 ) -> Prediction:
-    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser])."""
+    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]);
+    ``staging_bytes`` and ``staging_waits``: TBA_STAGING_BYTES and TBA_STAGING_FULL=wait, as
+    the run has them (None: unbounded staging)."""
     per_group = group_actions(groups, actions)
     spans = [g.span(a) for g, a in zip(groups, per_group)]
-    setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch_bytes)
+    setup = Setup(
+        write_bps=write_bps,
+        read_bps=read_bps,
+        prefetch_bytes=prefetch_bytes,
+        staging_bytes=staging_bytes,
+        staging_waits=staging_waits,
+    )
     engine = Engine(setup)
     got = engine.step(spans, len(spans), actions=per_group)
     return Prediction(tuple(actions), got.step_seconds, engine.peaks()[0])
@@ -174,10 +189,12 @@ def choose(
     exhaustive_blocks: int = EXHAUSTIVE_BLOCKS,
     fixed: dict[int, str] | None = None,
     max_sims: int | None = None,
+    staging_bytes: int | None = None,
+    staging_waits: bool = False,
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
-    local search's replays (None: no bound)."""
+    local search's replays (None: no bound); staging as :func:`predict` takes it."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -194,7 +211,9 @@ def choose(
     def sim(actions: tuple[str, ...]) -> Prediction:
         p = seen.get(actions)
         if p is None:
-            p = seen[actions] = predict(groups, actions, write_bps, read_bps, prefetch_bytes)
+            p = seen[actions] = predict(
+                groups, actions, write_bps, read_bps, prefetch_bytes, staging_bytes, staging_waits
+            )
         return p
 
     def rank(p: Prediction) -> tuple:

@@ -94,7 +94,11 @@ class Offloader:
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
         self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
-        self.policy = PolicyController(config.policy, config.block_policy)
+        self.policy = PolicyController(
+            config.policy,
+            config.block_policy,
+            staging=(self.config.staging_bytes, self.config.staging_full == "wait"),
+        )
         self.groups.recompute = Recompute(
             self.packer.count_hidden, self._recomputing, self.packer.hold_cached
         )

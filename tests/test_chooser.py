@@ -372,3 +372,37 @@ def test_an_overrun_decides_at_once_paced_or_not():
     ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 3 * MiB)
     assert ctl.decision["step"] == 5 and ctl.excess == 8 * MiB
     assert ctl.decision["target_bytes"] == int(0.98 * limit) - 8 * MiB
+
+
+def test_staging_is_bounded_as_the_run_bounds_it():
+    """Under a budget tba waits for a full staging (TBA_STAGING_FULL=wait): an offload that
+    outruns the disk stalls the forward. A chooser that thinks staging unbounded picks
+    offloads whose writes back up; told the run's staging, it predicts that stall and picks
+    a faster assignment."""
+    gs, bps, staging = w1_like(), 100e6, 64 * MiB
+    budget = int(0.5 * total(gs))
+    free = choose(gs, bps, bps, budget, exhaustive_blocks=0, max_sims=SEARCH_SIMS)
+    bound = choose(
+        gs,
+        bps,
+        bps,
+        budget,
+        exhaustive_blocks=0,
+        max_sims=SEARCH_SIMS,
+        staging_bytes=staging,
+        staging_waits=True,
+    )
+    assert "offload" in free.best.actions and bound.fits
+    as_run = predict(gs, free.best.actions, bps, bps, 128 * MiB, staging, True)
+    assert as_run.step_seconds > free.best.step_seconds + 0.5  # the forward waited on writes
+    assert bound.best.step_seconds < as_run.step_seconds - 0.5
+    # a staging that never fills changes nothing
+    big = predict(gs, free.best.actions, bps, bps, 128 * MiB, 1 << 40, True)
+    assert big.step_seconds == pytest.approx(free.best.step_seconds)
+
+
+def test_the_controller_hands_the_chooser_the_runs_staging(make_offloader):
+    off = make_offloader(policy="auto", memory_budget=0.5, staging_bytes="8MiB")
+    assert off.policy.staging == (8 * MiB, True)  # auto under a budget waits for staging
+    off = make_offloader(policy="auto", staging_bytes="8MiB", staging_full="keep")
+    assert off.policy.staging == (8 * MiB, False)

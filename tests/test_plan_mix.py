@@ -70,9 +70,8 @@ def test_json_mix_is_what_the_chooser_predicts(capsys):
 
 
 def test_slow_disk_recomputes_and_beats_all_offload():
-    """Reads at 2 MB/s: a block's 16 MiB take 8 s to come back, its forward 1 s. (A disk slow
-    both ways costs the chooser memory, not time: writes that never end are served from its
-    unbounded staging, NOTE [Chooser].)"""
+    """Reads at 2 MB/s: a block's 16 MiB take 8 s to come back, its forward 1 s. (Writes are
+    fast here: slow writes would fill staging, and the forward wait for it, NOTE [Chooser].)"""
     w = toy(blocks=5, head=2 * MiB)
     slow = P.Hardware(1e9, 2e6, device="cpu")
     m = P.make_mix(w, slow, P.Knobs(), "0.6")  # room for the inputs and one block's saves

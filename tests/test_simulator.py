@@ -65,6 +65,28 @@ def test_unbounded_staging_never_keeps_for_lack_of_it():
     assert r.stall_seconds == 0 and r.served_from_staging == 100 * PIECE
 
 
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_full_staging_keeps_or_waits(waits):
+    """Two groups of 1 s, one 16 MiB piece each (packed at 0.5 s and 1.5 s), 16 MiB of
+    staging: the second piece needs the first one's write to have landed."""
+    two = [Span(1.0, 1.0, pieces(PIECE)), Span(1.0, 1.0, pieces(PIECE))]
+
+    def run(write_bps):
+        su = Setup(write_bps=write_bps, read_bps=1e12, staging_bytes=PIECE, staging_waits=waits)
+        return Engine(su).step(two, 2)
+
+    r = run(PIECE)  # the first write lands at 1.5 s, just in time: nothing kept, no wait
+    assert r.staging_full_bytes == 0 and r.bytes_written == 2 * PIECE
+    assert r.forward_seconds == pytest.approx(2.0)
+    r = run(PIECE / 4)  # it lands at 4.5 s
+    if waits:  # the second pack waits 3 s for it
+        assert r.staging_full_bytes == 0 and r.bytes_written == 2 * PIECE
+        assert r.forward_seconds == pytest.approx(5.0)
+    else:  # kept resident; the forward goes on
+        assert r.staging_full_bytes == PIECE and r.bytes_written == PIECE
+        assert r.forward_seconds == pytest.approx(2.0)
+
+
 # -- the runtime and the planner agree -----------------------------------------------------------
 def _trace(path, rows, write_bps, read_bps, prefetch):
     """A TBA_TRACE file of two identical steps with these (fwd, bwd, offloaded) groups."""

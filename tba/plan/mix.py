@@ -7,9 +7,10 @@ The planner hands the chooser what the runtime measures, per group in forward or
 and backward seconds, saved bytes, a block's input bytes (what recompute keeps) and whether it
 is a block; the embedding and the head are groups that are not blocks, as in the workload. The
 disk rates are the drives' aggregate, the read-ahead window is ``--prefetch`` (the cap the
-runtime's window grows to). The chooser's model is the runtime's plain case of the simulator
-(unbounded staging, full duplex, no capture or host-to-device copy costs), so the mix's step
-can differ from the keep-K table, which sets every field. Checkpoint-all is every block
+runtime's window grows to). The chooser's model is the runtime's case of the simulator (staging
+bounded by ``--staging`` and waited for when full, as ``auto`` under a budget runs; full
+duplex; no capture or host-to-device copy costs), so the mix's step can differ from the keep-K
+table, which sets every field. Checkpoint-all is every block
 recomputed, the other groups as the chooser treats them (the head offloaded, as it follows a
 block that is not kept), so it too depends on the drives. Every peak is the peak of resident
 saved bytes (kept, staging, read-back, a recomputed block's saves), the quantity
@@ -105,8 +106,17 @@ def make_mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None = None)
     if not w.blocks:
         return {"available": False, "reason": "no blocks to assign"}
     limit, source = budget_for(budget, w.total_bytes, hw.device_bytes)
-    rates = (hw.write_rate, hw.read_rate, knobs.prefetch_bytes)
-    got = choose(groups, hw.write_rate, hw.read_rate, limit, knobs.prefetch_bytes)
+    # staging as auto runs it: bounded by TBA_STAGING_BYTES, a full one waited for
+    rates = (hw.write_rate, hw.read_rate, knobs.prefetch_bytes, knobs.staging_bytes, True)
+    got = choose(
+        groups,
+        hw.write_rate,
+        hw.read_rate,
+        limit,
+        knobs.prefetch_bytes,
+        staging_bytes=knobs.staging_bytes,
+        staging_waits=True,
+    )
     keep_all = predict(groups, ("keep",) * w.blocks, *rates)
     checkpoint_all = predict(groups, ("recompute",) * w.blocks, *rates)
     best = got.best
@@ -129,6 +139,7 @@ def make_mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None = None)
         "write_bps": _finite(hw.write_rate),
         "read_bps": _finite(hw.read_rate),
         "prefetch_bytes": knobs.prefetch_bytes,
+        "staging_bytes": knobs.staging_bytes,
     }
 
 

@@ -141,8 +141,9 @@ def mix_lines(m: dict[str, Any]) -> list[str]:
         "mix:      keep, offload, recompute or selective per block, as TBA_POLICY=auto chooses "
         "(tba.chooser)",
         f"search:   {search}: {m['searched']:,} assignments simulated",
-        f"model:    the runtime's: unbounded staging, a {format_size(m['prefetch_bytes'])} "
-        "read-ahead window, no copy costs",
+        f"model:    the runtime's: {format_size(m['staging_bytes'])} of staging (a full one "
+        f"waits, as under auto), a {format_size(m['prefetch_bytes'])} read-ahead window, no "
+        "copy costs",
         f"budget:   {_budget_text(m)}",
         f"blocks:   {runs_text(m['runs'])}  ({_letters(m['actions'])}, block 0 first)",
     ]

@@ -13,9 +13,11 @@ packed, needed by backward and released). The rules, as tba applies them:
 - Staging: any other tensor, at its pack time, needs a staging block of its size rounded up to
   ``align``, placed by tba's own best-fit allocator (so fragmentation counts); with
   ``staging_bytes=None`` staging is unbounded. When no block fits, the tensor stays resident
-  (``staging_full``): the forward never waits. Else the capture copy runs on the compute
-  timeline (``capture_bps``) and the write is queued. Staging frees when the write completes;
-  nothing cancels a write.
+  (``staging_full``) and the forward does not wait; with ``staging_waits`` (TBA_STAGING_FULL=
+  wait, what a memory budget sets) the forward waits instead until completed writes free a
+  block that fits (TBA_STAGING_WAIT's timeout is not modelled). Then the capture copy runs on
+  the compute timeline (``capture_bps``) and the write is queued. Staging frees when the write
+  completes; nothing cancels a write.
 - Prefetch: at the end of forward the plan is the offloaded tensors in reverse pack order.
   Reads are issued in order while the bytes issued and not yet released stay within the window
   (at least one read): ``prefetch_bytes``, or with ``size_window`` the window tba's
@@ -45,9 +47,10 @@ packed, needed by backward and released). The rules, as tba applies them:
   read-back buffers.
 - Steps run back to back on one :class:`Engine` carry the disk queues and staging over.
 
-The runtime's use is the plain case: the default :class:`Setup` (unbounded staging, no copy
-costs, transfers of exactly their bytes, a fixed window) and each group's measured bytes cut
-into ``pieces`` (rules.py). The planner sets every field from its hardware and knobs.
+The runtime's use is the plain case: the default :class:`Setup` (no copy costs, transfers of
+exactly their bytes, a fixed window) and each group's measured bytes cut into ``pieces``
+(rules.py); adaptive keep leaves staging unbounded, the chooser bounds it as tba does
+(NOTE [Chooser] in tba/chooser.py). The planner sets every field from its hardware and knobs.
 """
 
 from __future__ import annotations
@@ -264,15 +267,23 @@ class Engine:
         su = self.setup
         padded = -(-nbytes // su.align) * su.align
         at = self._stage(tp, padded)
+        waited = 0.0
+        if at is None and su.staging_waits and padded <= (su.staging_bytes or 0):
+            t = tp  # the pack waits for writes to free a block (the Staging rule)
+            while at is None and self.staging:
+                t = self.staging[0][0]
+                at = self._stage(t, padded)
+            waited = t - tp
         if at is None:
             return None, 0.0
+        tp += waited
         self.mem(tp, padded, _HOST)
         copy = nbytes / su.capture_bps
         done = self.wq.submit(tp + copy, padded, su.write_bps)
         if self.arena is not None:
             heapq.heappush(self.staging, (done, at))
         self.mem(done, -padded, _HOST)
-        return _Entry(nbytes, padded, done), copy
+        return _Entry(nbytes, padded, done), waited + copy
 
     def window_for(self, entries: Sequence[_Entry], written: int, bwd_total: float) -> int:
         """The read-ahead window of a step (the Prefetch rule of NOTE [Simulator])."""

@@ -56,6 +56,7 @@ class Setup:
     capture_bps: float = math.inf  # device-to-staging copy, on the compute timeline
     h2d_bps: float = math.inf  # read-back host-to-device copy, on the compute timeline
     staging_bytes: int | None = None  # None: unbounded
+    staging_waits: bool = False  # a pack waits for staging (TBA_STAGING_FULL=wait), else keeps
     min_offload_bytes: int = 0
     prefetch_bytes: int = 128 << 20  # the read-ahead window, or its cap with size_window
     size_window: bool = False
