@@ -112,6 +112,7 @@ class PolicyController:
         self.basis: tuple[float, float] | None = None
         self.bandwidth: tuple[float | None, float | None] = (None, None)
         self.block_bytes: dict[int, tuple[int, int]] = {}  # block -> (saved, input) measured
+        self.block_sizes: dict[int, tuple[int, ...]] = {}  # NOTE [Measured layout]
         # block -> (recompute, forward) seconds of the last step that recomputed it
         self.block_recompute: dict[int, tuple[float, float]] = {}
         # the same for selective's recompute, and what selective kept (measured) or would keep
@@ -238,8 +239,11 @@ class PolicyController:
         blocks = []
         for x in records:
             act = x["action"]
+            sizes = tuple(x.get("sizes", ()))  # NOTE [Measured layout] in tba/simulator/rules.py
             if not act:
-                groups.append(Cost(x["fwd_seconds"], x["bwd_seconds"], _group_bytes(x), 0, False))
+                groups.append(
+                    Cost(x["fwd_seconds"], x["bwd_seconds"], _group_bytes(x), 0, False, sizes=sizes)
+                )
                 continue
             if act == "user":
                 fixed[b] = "recompute"
@@ -247,6 +251,8 @@ class PolicyController:
             saved = _group_bytes(x) + (x["hidden_bytes"] if rec else 0)
             if act != "user" and (not rec or x["hidden_bytes"]):
                 self.block_bytes[b] = (saved, x["input_bytes"])
+            if act in ("keep", "offload") and sizes:  # its forward packed every saved tensor
+                self.block_sizes[b] = sizes
             saved, inputs = self.block_bytes.get(b, (saved, x["input_bytes"]))
             again = x.get("recompute_seconds", 0.0) if rec else 0.0
             timed = self.block_selective if act == SELECTIVE else self.block_recompute
@@ -270,7 +276,16 @@ class PolicyController:
                         max(0.0, bwd - x.get("unpack_seconds", 0.0)),
                     )
             times = tuple((k, f, w) for k, (f, w) in sorted(self.block_times.get(b, {}).items()))
-            groups.append(Cost(x["fwd_seconds"], max(0.0, bwd), saved, inputs, times=times))
+            groups.append(
+                Cost(
+                    x["fwd_seconds"],
+                    max(0.0, bwd),
+                    saved,
+                    inputs,
+                    times=times,
+                    sizes=self.block_sizes.get(b, ()),
+                )
+            )
             b += 1
         full, part = _ratio(self.block_recompute), _ratio(self.block_selective)
         for gi, bi in blocks:

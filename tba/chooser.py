@@ -49,7 +49,7 @@ import itertools
 from collections.abc import Sequence
 
 from .config import BLOCK_ACTIONS, SELECTIVE
-from .simulator import Engine, Setup, Span, pieces
+from .simulator import Engine, Setup, Span, layout
 
 ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload, selective
 EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
@@ -96,6 +96,9 @@ class Cost:
     # chooser does not offer selective for the block
     cached_bytes: int | None = None
     selective_recompute: float | None = None  # its recompute's seconds (None: ``recompute``'s)
+    # its saved storages' bytes in pack order, as a step that packed them measured (NOTE
+    # [Measured layout] in tba/simulator/rules.py); empty: unknown, simulated as pieces
+    sizes: tuple[int, ...] = ()
 
     def compute(self, action: str) -> tuple[float, float]:
         """Forward and backward seconds of this group run with ``action``: its measured (or a
@@ -118,7 +121,7 @@ class Cost:
         cached = (self.cached_bytes or 0) if action == SELECTIVE else 0
         return Span(
             *self.compute(action),
-            pieces(self.nbytes),
+            layout(self.nbytes, self.sizes),
             self.input_bytes,
             self.again(action),
             cached,

@@ -86,6 +86,8 @@ class Packer:
             reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
             gs = self.groups.stat
             gs.saved_bytes += st.saved_bytes - seen
+            if st.saved_bytes > seen:
+                gs.sizes.append(st.saved_bytes - seen)
             if st.saved_bytes > seen and kept_by_selective(t):  # NOTE [Selective recompute]
                 gs.cacheable_bytes += st.saved_bytes - seen
             gs.tensors += 1

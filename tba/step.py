@@ -74,6 +74,7 @@ class GroupStat:
         "tensors",
         "packed_bytes",
         "saved_bytes",
+        "sizes",
         "offloaded_bytes",
         "kept_bytes",
         "keepable_bytes",
@@ -107,6 +108,7 @@ class GroupStat:
         self.tensors = 0
         self.packed_bytes = 0  # per pack: views of one storage count once each
         self.saved_bytes = 0  # storages first seen in this group, once each (what keeping costs)
+        self.sizes: list[int] = []  # those storages' bytes in pack order (NOTE [Measured layout])
         self.offloaded_bytes = 0
         self.kept_bytes = 0
         self.keepable_bytes = 0  # bytes kept only because the group is kept: offloadable
@@ -256,6 +258,7 @@ class StepState:
                     "tensors": gs.tensors,
                     "packed_bytes": gs.packed_bytes,
                     "saved_bytes": gs.saved_bytes,
+                    "sizes": list(gs.sizes),
                     "offloaded_bytes": gs.offloaded_bytes,
                     "kept_bytes": gs.kept_bytes,
                     "keepable_bytes": gs.keepable_bytes,

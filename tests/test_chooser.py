@@ -217,6 +217,28 @@ def test_a_group_costs_its_storages_once_whether_kept_or_offloaded(make_offloade
         assert sum(got[policy]) == off.stats()["saved_bytes"]
     assert got["keep"] == got["offload"]
     assert any(x["packed_bytes"] > x["saved_bytes"] for x in recs)  # views of one storage
+    # NOTE [Measured layout]: each group's storages in pack order, adding up to its bytes
+    assert all(sum(x["sizes"]) == _group_bytes(x) for x in recs)
+    assert any(len(x["sizes"]) > 1 for x in recs)
+
+
+def test_the_controller_keeps_a_blocks_layout_from_steps_that_packed_it():
+    """NOTE [Measured layout]: a block's tensor sizes come from a step that packed them (kept or
+    offloaded); a recomputed step packs only its inputs, so the last layout stands."""
+    ctl = PolicyController("auto", None)
+    layout = [1 * MiB, 19 * MiB, 40 * MiB, 80 * MiB]  # 140 MiB, the big ones last
+    recs = records(["offload"] * 5 + ["keep"])
+    for x in recs:
+        if x["action"]:
+            x["sizes"] = layout
+    blocks = [g for g in ctl._costs(recs)[0] if g.block]
+    assert all(g.sizes == tuple(layout) for g in blocks)
+    again = records(["recompute"] * 6)
+    for x in again:
+        if x["action"]:
+            x["sizes"] = [8 * MiB]  # the checkpoint's inputs only
+    blocks = [g for g in ctl._costs(again)[0] if g.block]
+    assert all(g.sizes == tuple(layout) for g in blocks)
 
 
 def deep(blocks, fwd=0.0015, nbytes=485 * 10**6, inputs=16 * 10**6):

@@ -10,7 +10,7 @@ import pytest
 from tba import adaptive
 from tba import plan as P
 from tba.groups import GroupTracker
-from tba.simulator import PIECE, Engine, Saved, Setup, Span, kept_from, pieces
+from tba.simulator import PIECE, Engine, Saved, Setup, Span, kept_from, layout, pieces
 
 MiB = 1 << 20
 
@@ -85,6 +85,36 @@ def test_a_full_staging_keeps_or_waits(waits):
     else:  # kept resident; the forward goes on
         assert r.staging_full_bytes == PIECE and r.bytes_written == PIECE
         assert r.forward_seconds == pytest.approx(2.0)
+
+
+def test_layout_keeps_every_byte_in_pack_order():
+    MiB = 1 << 20
+    sizes = [8 * MiB, 1000, 2000, 24 * MiB, 3000, 32 * MiB]
+    got = layout(sum(sizes), sizes, "g")
+    # runs of small ones merge into one; order and bytes stay
+    assert [s.nbytes for s in got] == [8 * MiB, 3000, 24 * MiB, 3000, 32 * MiB]
+    assert [s.pack_at for s in got] == sorted(s.pack_at for s in got)
+    assert [s.use_at for s in got] == sorted((s.use_at for s in got), reverse=True)
+    # measured in another step: scaled to the group's bytes, the shape kept
+    half = layout(sum(sizes) // 2, sizes)
+    assert sum(s.nbytes for s in half) == sum(sizes) // 2
+    assert half[-1].nbytes == pytest.approx(16 * MiB, abs=4)
+    assert layout(10 * PIECE, []) == pieces(10 * PIECE)  # unknown: pieces
+
+
+def test_the_simulator_takes_the_measured_layout():
+    """NOTE [Measured layout]: a block of four 8 MiB saves, then one of 96 MiB, 0.15 s of
+    forward, writes at 50 MB/s (8 MiB in 0.17 s), a 128 MiB window. When the forward ends
+    (0.25 s) only the first save has landed: the plan (last packed first) budgets the 96 MiB
+    one and the next three as still being written, and reads the first, 8 MiB. As uniform
+    pieces (9 of 14.2 MiB, 0.3 s to write each) nothing has landed and nothing is read."""
+    MiB = 1 << 20
+    sizes = [8 * MiB] * 4 + [96 * MiB]
+    su = Setup(write_bps=50e6, read_bps=50e6, prefetch_bytes=128 * MiB)
+    spans = [Span(0.15, 0.3, layout(sum(sizes), sizes)), Span(0.1, 1.0, [])]
+    assert Engine(su).step(spans, 2).bytes_read == 8 * MiB
+    spans[0] = Span(0.15, 0.3, pieces(sum(sizes)))
+    assert Engine(su).step(spans, 2).bytes_read == 0
 
 
 # -- the runtime and the planner agree -----------------------------------------------------------

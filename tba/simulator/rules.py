@@ -107,6 +107,45 @@ def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
     ]
 
 
+# NOTE [Measured layout]
+# Uniform pieces put a group's bytes evenly over its forward. A transformer block's are not: on
+# W1 the two 32 MiB MLP activations, half of a block's 128 MiB, are its last saves. Writes go in
+# pack order, so on a slow disk those are still in staging when backward reaches the block and
+# are never read, while the first, small ones are on disk and are. With 14 MiB pieces the
+# chooser predicted W1's blocks read 85 MiB at 50 MB/s where the run read 64, and an assignment
+# offloading four blocks 17 to 22% slower than it ran. A step that packs a group's tensors
+# (kept or offloaded) records each new storage's bytes in pack order (``GroupStat.sizes``);
+# ``layout`` gives the simulator those tensors, the i-th of n packed in the middle of forward
+# slice i and needed and released as ``pieces`` has it. Runs of tensors below ``SMALL`` are
+# merged (their order matters little; the replay's cost grows with the count). When they do
+# not add up to the group's bytes (those were measured in another step, e.g. one that
+# recomputed the block), they are scaled to them; without sizes it is ``pieces``.
+SMALL = 1 << 20
+
+
+def layout(nbytes: int, sizes: Sequence[int], name: str = "") -> list[Saved]:
+    """A group's saved bytes as its measured tensors, else :func:`pieces` (NOTE [Measured
+    layout])."""
+    total = sum(sizes)
+    if not sizes or nbytes <= 0 or total <= 0:
+        return pieces(nbytes, name)
+    if total != nbytes:
+        scaled = [n * nbytes // total for n in sizes]
+        scaled[-1] += nbytes - sum(scaled)
+        sizes = scaled
+    merged: list[int] = []
+    for n in sizes:
+        if merged and n < SMALL and merged[-1] < SMALL:
+            merged[-1] += n
+        else:
+            merged.append(n)
+    k = len(merged)
+    return [
+        Saved(f"{name}{j}", n, (j + 0.5) / k, 1 - (j + 1) / k, None, 1 - j / k)
+        for j, n in enumerate(merged)
+    ]
+
+
 # NOTE [Prefetch depth]
 # TBA_PREFETCH_BYTES caps the read-ahead window (without it, the default cap scales with the
 # step's saved bytes: default_window_cap in tba/budget.py); within the cap, the window (the bytes
