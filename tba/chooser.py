@@ -15,9 +15,10 @@ its Recompute rule, and staging bounded by TBA_STAGING_BYTES as the run bounds i
 staging keeps a tensor resident, or with TBA_STAGING_FULL=wait, as ``auto`` runs, stalls the
 forward until writes free it), which predicts the step time and the peak of resident saved
 bytes (kept, staging, read-back, a recomputed block's tensors during its backward). Unbounded
-staging, as the chooser had it at first, let it offload more than a slow disk drains: on W1 at
-50 MB/s it predicted 4 offloaded blocks 20% slower than they ran, the run keeping (or, under a
-budget, waiting for) the ~220 MiB that did not fit in staging. Swapping costs what its
+staging, as the chooser had it at first, made offloads that outrun the disk look free under a
+budget, where the run's forward waits for them (tests/test_chooser.py,
+test_staging_is_bounded_as_the_run_bounds_it). Each block's saves are simulated as the sizes a
+step measured (NOTE [Measured layout] in tba/simulator/rules.py). Swapping costs what its
 I/O does not hide behind compute (about max(0, bytes / bandwidth - compute window)), and a
 recompute costs the block's forward once more (``Cost.recompute``: measured when the block has
 been recomputed, else estimated from blocks that have; NOTE [Recompute cost] in

@@ -85,11 +85,12 @@ class Packer:
             whole, nbytes, stride, offset = layout(t, snbytes, key[3])
             reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
             gs = self.groups.stat
-            gs.saved_bytes += st.saved_bytes - seen
-            if st.saved_bytes > seen:
-                gs.sizes.append(st.saved_bytes - seen)
-            if st.saved_bytes > seen and kept_by_selective(t):  # NOTE [Selective recompute]
-                gs.cacheable_bytes += st.saved_bytes - seen
+            new = st.saved_bytes - seen  # a storage first seen now: its bytes, else 0
+            if new:
+                gs.saved_bytes += new
+                gs.sizes.append(new)  # NOTE [Measured layout] in tba/simulator/rules.py
+                if kept_by_selective(t):  # NOTE [Selective recompute]
+                    gs.cacheable_bytes += new
             gs.tensors += 1
             gs.packed_bytes += nbytes
             if reason is None:

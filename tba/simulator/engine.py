@@ -48,9 +48,10 @@ packed, needed by backward and released). The rules, as tba applies them:
 - Steps run back to back on one :class:`Engine` carry the disk queues and staging over.
 
 The runtime's use is the plain case: the default :class:`Setup` (no copy costs, transfers of
-exactly their bytes, a fixed window) and each group's measured bytes cut into ``pieces``
-(rules.py); adaptive keep leaves staging unbounded, the chooser bounds it as tba does
-(NOTE [Chooser] in tba/chooser.py). The planner sets every field from its hardware and knobs.
+exactly their bytes, a fixed window). Adaptive keep cuts each group's measured bytes into
+``pieces`` and leaves staging unbounded; the chooser gives each group its measured ``layout``
+and bounds staging as tba does (rules.py; NOTE [Chooser] in tba/chooser.py). The planner
+sets every field from its hardware and knobs.
 """
 
 from __future__ import annotations
