@@ -8,7 +8,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from .chooser import BARE, SEARCH_SIMS, Cost, choose
+from .budget import MIN_WINDOW, window_room
+from .chooser import BARE, SEARCH_SIMS, Cost, choose, predict
 from .config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from .pacer import DRIFT, STALL_SHARE, Pacer, stalled_seconds
 
@@ -80,6 +81,19 @@ log = logging.getLogger("tba")
 # each overrun is of a choice made knowing every earlier one, so each is charged.
 MARGIN = 0.98
 
+# NOTE [Window under auto]
+# The read-ahead window is sized by DepthController after every step (raised after a stall,
+# up to its cap), while auto decides only when due (NOTE [Decision cost]); the chooser
+# predicts its assignment's peak at the window in use when it decides. A window raised later
+# is part of the peak too: on W1 at 200 MB/s, auto chose sosspk at an 82 MB window (predicted
+# 281 MB against a 290 MB budget), a stall raised the window to 103 MB, and the next step
+# peaked at 0.401 of the saved bytes against 0.35 before the overrun made auto decide again.
+# Adaptive keep's own room (NOTE [Memory budget]) does not cover this: it predicts the
+# keep-last rule, not auto's assignment, and applies only to TBA_MEMORY_BUDGET, where auto
+# also bounds itself by DEFAULT_BUDGET_SHARE. So after each step auto predicts its assignment
+# in force at the new window; when the peak would pass the chooser's target, the window is cut
+# to the room the target leaves (window_room, with the smallest window one largest read).
+
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
 # step's saved bytes (the target the issue sets for the defaults). Read by
 # Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
@@ -124,6 +138,7 @@ class PolicyController:
         self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
+        self.room: int | None = None  # NOTE [Window under auto]
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -151,11 +166,23 @@ class PolicyController:
             }
 
     def observe(
-        self, step: int, records, write_bps, read_bps, budget, prefetch: int, peak: int = 0
+        self,
+        step: int,
+        records,
+        write_bps,
+        read_bps,
+        budget,
+        prefetch: int,
+        peak: int = 0,
+        largest_read: int = 0,
     ) -> None:
         """A step whose backward has run, and its measured peak (``peak_with_recompute_bytes``).
         ``budget(saved)`` gives the memory budget in bytes for a step that saves ``saved``
-        bytes (None: unbounded)."""
+        bytes (None: unbounded). ``prefetch`` is the read-ahead window the next step would run
+        with, ``largest_read`` the step's largest read (the smallest window there is); after
+        this, :attr:`room` is the widest window auto's assignment leaves within the budget
+        (NOTE [Window under auto]), None for no limit."""
+        self.room = None
         w = write_bps or self.bandwidth[0]
         r = read_bps or self.bandwidth[1]
         self.bandwidth = (w, r)
@@ -179,10 +206,12 @@ class PolicyController:
         )
         ready = self.pacer.ready(base)
         due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
-        if not (drifted or due or self.learned or over):
-            return
-        if not ready and not over:  # NOTE [Decision cost]: an overrun does not wait
-            return
+        if (drifted or due or self.learned or over) and (ready or over):
+            # NOTE [Decision cost]: an overrun does not wait for the pacer
+            self._decide(step, groups, fixed, w, r, limit, prefetch)
+        self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
+
+    def _decide(self, step, groups, fixed, w, r, limit, prefetch) -> None:
         t0 = self.pacer.start()
         target = None if limit is None else int(MARGIN * limit) - self.excess
         got = choose(
@@ -230,6 +259,24 @@ class PolicyController:
                 w / 1e6,
                 r / 1e6,
             )
+
+    def _window_room(self, groups, limit, prefetch, smallest, w, r) -> int | None:
+        """The widest read-ahead window within ``prefetch`` whose predicted peak, with the
+        assignment in force, stays within the chooser's target (NOTE [Window under auto]);
+        None when ``prefetch`` itself fits or nothing is chosen."""
+        actions = self.decision.get("actions")
+        if limit is None or not self.chosen or len(actions or ()) != sum(g.block for g in groups):
+            return None
+        asg = self.assignment() or {}
+        actions = [asg.get(i, a) for i, a in enumerate(actions)]
+        target = int(MARGIN * limit) - self.excess
+        staging = self.staging
+        wide = predict(groups, actions, w, r, prefetch, *staging)
+        if wide.peak_bytes <= target:
+            return None
+        smallest = max(smallest, MIN_WINDOW)
+        narrow = predict(groups, actions, w, r, smallest, *staging)
+        return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:
         """The chooser's groups from a step's records; blocks checkpointed by the user are

@@ -89,13 +89,15 @@ class DepthController:
             read_bps=read_bps,
         )
 
-    def limit(self, step: int, room: int | None) -> None:
-        """Cut the window to ``room``, what TBA_MEMORY_BUDGET leaves (NOTE [Memory budget]);
+    def limit(
+        self, step: int, room: int | None, why: str = "cut to what TBA_MEMORY_BUDGET leaves"
+    ) -> None:
+        """Cut the window to ``room``, what the memory budget leaves (NOTE [Memory budget]);
         never below one largest read, which the read-ahead always allows."""
         if room is None or self.depth <= room:
             return
         largest = self.decision.get("largest_read", 0)
-        self._set(step, max(room, largest, MIN_WINDOW), "cut to what TBA_MEMORY_BUDGET leaves")
+        self._set(step, max(room, largest, MIN_WINDOW), why)
 
     def _set(self, step: int, depth: int, why: str) -> None:
         if depth != self.depth:

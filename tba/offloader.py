@@ -249,6 +249,7 @@ class Offloader:
         w, r = st.bandwidth(True), st.bandwidth(False)
         n = len(records)
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
+        largest = st.largest_read()
         self.prefetcher.budget = adapt(
             self.keeper,
             self.depth,
@@ -258,14 +259,24 @@ class Offloader:
             r,
             kept_from,
             self.groups.max_keep(n),
-            largest_read=st.largest_read(),
+            largest_read=largest,
             saved_bytes=st.saved_bytes,
             peak_bytes=st.peak_resident_bytes,
         )
         peak = max(st.peak_resident_bytes, st.peak_with_recompute_bytes)
         self.policy.observe(
-            st.index, records, w, r, self._memory_budget, self.depth.depth, peak=peak
+            st.index,
+            records,
+            w,
+            r,
+            self._memory_budget,
+            self.depth.depth,
+            peak=peak,
+            largest_read=largest,
         )
+        if self.policy.room is not None:  # NOTE [Window under auto] in tba/autopolicy.py
+            self.depth.limit(st.index, self.policy.room, "cut to what auto's assignment leaves")
+            self.prefetcher.budget = self.depth.depth
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
             self._trace.step(

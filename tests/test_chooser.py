@@ -428,3 +428,55 @@ def test_the_controller_hands_the_chooser_the_runs_staging(make_offloader):
     assert off.policy.staging == (8 * MiB, True)  # auto under a budget waits for staging
     off = make_offloader(policy="auto", staging_bytes="8MiB", staging_full="keep")
     assert off.policy.staging == (8 * MiB, False)
+
+
+def test_a_window_raised_after_the_choice_is_cut_to_what_the_choice_leaves():
+    """NOTE [Window under auto]: auto chose at one window; a stall later raises the window
+    (DepthController), which adds to the peak of the assignment in force. Between decisions the
+    controller says how wide a window that assignment leaves within its target."""
+    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    ctl.observe(1, records(["offload"] * 5 + ["keep"]), 1e9, 1e9, budget, 8 * MiB, 0, 8 * MiB)
+    assert ctl.decision["step"] == 1 and ctl.room is None  # chosen at this window: it fits
+    ran = [ctl.assignment()[i] for i in range(6)]
+    target = ctl.decision["target_bytes"]
+    gs, _ = ctl._costs(records(ran))
+    wide = 256 * MiB
+    assert predict(gs, ran, 1e9, 1e9, wide).peak_bytes > target  # the raise would overrun
+    ctl.observe(2, records(ran), 1e9, 1e9, budget, wide, 0, 8 * MiB)
+    assert ctl.decision["step"] == 1  # not due: the choice stands
+    assert 8 * MiB <= ctl.room < wide
+    assert predict(gs, ran, 1e9, 1e9, ctl.room).peak_bytes <= target
+    ctl.observe(3, records(ran), 1e9, 1e9, budget, ctl.room, 0, 8 * MiB)
+    assert ctl.room is None  # the cut window fits
+    ctl.observe(4, records(ran), 1e9, 1e9, lambda saved: None, wide, 0, 8 * MiB)
+    assert ctl.room is None  # no budget, no cut
+
+
+def test_the_offloader_cuts_its_window_to_what_autos_assignment_leaves(make_offloader):
+    """NOTE [Window under auto]: the Offloader applies the room auto's controller reports, to
+    the window and to the prefetcher's budget, after adaptive keep has sized the window."""
+    from tba.testing import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(vocab=64, seq=64, hidden=64, heads=4, layers=3)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    off = make_offloader(policy="auto", keep_last=0)
+    rooms = []
+    real = off.policy._window_room
+
+    def room(*args):
+        rooms.append(real(*args))  # what the controller would say, then a tight cut
+        return 4096
+
+    off.policy._window_room = room
+    for _ in range(2):
+        with off.step(model):
+            loss = model(*random_batch(cfg, 4))
+        loss.backward()
+        off.synchronize()
+    off.stats()  # observes the last step
+    assert rooms and off.policy.room == 4096
+    largest = off.depth.decision["largest_read"]  # the window never goes below one read
+    assert off.depth.depth == max(largest, 1 << 20) == off.prefetcher.budget
+    assert "auto's assignment" in off.depth.decision["reason"]
