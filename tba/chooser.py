@@ -29,17 +29,23 @@ predicted step, ties going to the lower peak; when none fits, the lowest peak (a
 says so). Without a budget (None) nothing bounds memory, and keeping everything wins. With at
 most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (5^6 = 15,625 on
 W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
-local search. It replays the uniform assignments (every block recomputed, offloaded, kept) and
-the keep-last ones (the last k blocks kept, the rest all given one of the other actions, for
-up to ``KEEP_LAST_STARTS`` values of k spread over 1..n-1) and the same with the last k blocks
-selective, then, from the best ``DESCENTS`` of those, changes one block at a time while that
-improves the objective. It stops after
-``max_sims`` replays (``SEARCH_SIMS`` at run time) and answers the best assignment it
-replayed. Each replay is Python on the training thread, about 2.5 ms for 16 blocks: the
-earlier search (a descent from every start, with no bound) took 3,885 replays and 10 s for a
-16-block model on an H200 and grew with the cube of the depth; this one takes 204 for the
-same model, with the same answer (349 since the selective starts, which found a 3% shorter
-step for the 7B of BENCHMARKS.md; 1.1 s on a 2-core VM). Blocks in ``fixed`` (forced by
+local search. It first builds a greedy start (``_fill``): from every block recomputed, it
+replays each single change, ranks those that shorten the step by seconds saved per byte of
+peak added, and takes them in that order while the budget holds, one per block. Then it replays
+the uniform assignments (every block recomputed, offloaded, kept) and the keep-last ones (the
+last k blocks kept, the rest all given one of the other actions, for up to
+``KEEP_LAST_STARTS`` values of k spread over 1..n-1) and the same with the last k blocks
+selective, and, from the greedy start and the best ``DESCENTS`` of the others, changes one block
+at a time while that improves the objective. Without the greedy start, on the 7B of
+BENCHMARKS.md with one or two drives the search ended at recompute_offload x22, keep x10
+(1.225x keep-all) though a 1.179x assignment fits: no sequence of single changes from those
+starts leads there; the greedy start gives 1.189x (tests/test_plan_mix.py). It stops after
+``max_sims`` replays (``SEARCH_SIMS`` at run time; the uniform starts are always replayed) and
+answers the best assignment it replayed. Each replay is Python on the training thread,
+about 2.5 ms for 16 blocks: the earlier search (a descent from every start, with no bound)
+took 3,885 replays and 10 s for a 16-block model on an H200 and grew with the cube of the
+depth; this one takes 408 unbounded (323 within SEARCH_SIMS, 0.7 s on a 2-core VM) for the
+same model, with the same answer. Blocks in ``fixed`` (forced by
 TBA_BLOCK_POLICY, or checkpointed by the user) do not change.
 """
 
@@ -57,6 +63,7 @@ EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
 SEARCH_SIMS = 300  # replays a run-time decision may take (NOTE [Chooser])
 KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local search replays first
 DESCENTS = 3  # of those and the uniform ones, how many the search descends from
+FILL_BASES = ("recompute",)  # the greedy start's base (_fill)
 
 
 # The pseudo-action of ``Cost.times`` that holds an offload step's times less what tba's hooks
@@ -237,8 +244,13 @@ def choose(
         # in the order _starts gives (a set would follow string hashes, which differ per
         # process): ties in rank then go the same way in every process
         offered = any(SELECTIVE in o for o in options)
-        starts = sorted(dict.fromkeys(sim(pin(s)) for s in _starts(n, offered)), key=rank)
-        for p in starts[:DESCENTS]:
+        fills = [_fill(pin((a,) * n), sim, options, budget, left) for a in FILL_BASES]
+        firsts = list(dict.fromkeys(p for p in fills if p is not None))
+        tried = [  # the uniform ones always; the rest while the bound allows
+            sim(pin(s)) for i, s in enumerate(_starts(n, offered)) if i < len(ACTIONS) or left()
+        ]
+        starts = sorted(dict.fromkeys(tried), key=rank)
+        for p in firsts + [p for p in starts if p not in firsts][:DESCENTS]:
             _descend(p, sim, rank, options, left)
         best = min(seen.values(), key=rank)  # every replay counts, a cut-off descent's too
     fits = budget is None or best.peak_bytes <= budget
@@ -263,6 +275,36 @@ def _starts(n: int, selective: bool = True) -> list[list[str]]:
             ]
             out += [[a] * (n - k) + [tail] * k for k in ks for a in lead]
     return out
+
+
+def _fill(base: tuple[str, ...], sim, options, budget: int | None, left) -> Prediction | None:
+    """The greedy start (NOTE [Chooser]): from ``base`` (every block recomputed), the single
+    changes that shorten the step, ranked by seconds saved per byte of peak they add, taken in
+    that order while the budget holds, one per block. None without a budget (nothing to fill)
+    or when ``base`` itself is over it."""
+    if budget is None:
+        return None
+    p0 = cur = sim(base)
+    if p0.peak_bytes > budget:
+        return None
+    gains = []
+    for i, opts in enumerate(options):
+        for a in opts:
+            if a == base[i] or not left():
+                continue
+            q = sim(base[:i] + (a,) + base[i + 1 :])
+            saved = p0.step_seconds - q.step_seconds
+            if saved > 0:
+                gains.append((-saved / max(q.peak_bytes - p0.peak_bytes, 1), i, a))
+    done: set[int] = set()
+    for _, i, a in sorted(gains):
+        if i in done or not left():
+            continue
+        q = sim(cur.actions[:i] + (a,) + cur.actions[i + 1 :])
+        if q.peak_bytes <= budget and q.step_seconds < cur.step_seconds:
+            cur = q
+            done.add(i)
+    return cur
 
 
 def _descend(p: Prediction, sim, rank, options, left) -> None:
