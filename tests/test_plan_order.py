@@ -32,6 +32,25 @@ def reference(xs, order):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def assert_grads_equal(model, want, steps):
+    """Bit-identical gradients; on a mismatch, say which parameters differ and by how much, and
+    what each step read and loaded, so that a rare failure leaves its evidence."""
+    got = [p.grad for p in model.parameters()]
+    if all(map(torch.equal, got, want)):
+        return
+    diffs = [
+        f"{name}: max |diff| {(g - w).abs().max().item():.3g} of max |grad| "
+        f"{w.abs().max().item():.3g}, {(g != w).sum().item()} of {w.numel()} differ"
+        for (name, _), g, w in zip(model.named_parameters(), got, want)
+        if not torch.equal(g, w)
+    ]
+    seen = [
+        dict(reloaded=s.bytes_reloaded, sync=s.sync_loads, stall=round(s.stall_seconds, 4))
+        for s in steps
+    ]
+    raise AssertionError("gradients differ: " + "; ".join(diffs) + f"; steps {seen}")
+
+
 def forwards(off, model, xs):
     """One tba step per micro-batch; returns (losses, their StepStates)."""
     losses, steps = [], []
@@ -58,7 +77,7 @@ def test_1f1b_reads_the_oldest_forward_first(make_offloader):
         off.synchronize()
         loss.backward()
         assert st.sync_loads == 0, [s.sync_loads for s in steps]
-    assert all(map(torch.equal, [p.grad for p in model.parameters()], want))
+    assert_grads_equal(model, want, steps)
     assert all(st.bytes_reloaded > 0 for st in steps)
 
 
@@ -101,7 +120,7 @@ def test_a_graph_without_backward_does_not_starve_the_running_one(make_offloader
     assert off.prefetcher.inflight > 0
     loss.backward()
     assert st.sync_loads == 0 and st_stale.sync_loads == 0
-    assert all(map(torch.equal, [p.grad for p in model.parameters()], want))
+    assert_grads_equal(model, want, [st_stale, st])
     del stale
     off.synchronize()
     assert off.prefetcher.inflight == 0
