@@ -275,12 +275,11 @@ class PolicyController:
         asg = self.assignment() or {}
         actions = [asg.get(i, a) for i, a in enumerate(actions)]
         target = int(MARGIN * limit) - self.excess
-        staging = self.staging
-        wide = predict(groups, actions, w, r, prefetch, *staging)
+        wide = predict(groups, actions, w, r, prefetch, *self.staging)
         if wide.peak_bytes <= target:
             return None
         smallest = max(smallest, MIN_WINDOW)
-        narrow = predict(groups, actions, w, r, smallest, *staging)
+        narrow = predict(groups, actions, w, r, smallest, *self.staging)
         return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:

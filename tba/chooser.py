@@ -63,7 +63,6 @@ EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
 SEARCH_SIMS = 300  # replays a run-time decision may take (NOTE [Chooser])
 KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local search replays first
 DESCENTS = 3  # of those and the uniform ones, how many the search descends from
-FILL_BASES = ("recompute",)  # the greedy start's base (_fill)
 
 
 # The pseudo-action of ``Cost.times`` that holds an offload step's times less what tba's hooks
@@ -244,8 +243,8 @@ def choose(
         # in the order _starts gives (a set would follow string hashes, which differ per
         # process): ties in rank then go the same way in every process
         offered = any(SELECTIVE in o for o in options)
-        fills = [_fill(pin((a,) * n), sim, options, budget, left) for a in FILL_BASES]
-        firsts = list(dict.fromkeys(p for p in fills if p is not None))
+        filled = _fill(pin(("recompute",) * n), sim, options, budget, left)
+        firsts = [] if filled is None else [filled]
         tried = [  # the uniform ones always; the rest while the bound allows
             sim(pin(s)) for i, s in enumerate(_starts(n, offered)) if i < len(ACTIONS) or left()
         ]
