@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -62,6 +63,19 @@ def one_step(model, ids, off):
             loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return time.perf_counter() - t0, loss.item()
+
+
+def ratio_interval(pairs, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """5th and 95th percentiles of median(tba) / median(none) over ``rounds`` resamples of the
+    (none, tba) step pairs, drawn with replacement: how far the headline ratio moves with the
+    machine's noise (a step's time here varies by 10% or more with identical work)."""
+    rng = random.Random(seed)
+    got = []
+    for _ in range(rounds):
+        draw = [rng.choice(pairs) for _ in pairs]
+        got.append(statistics.median(t for _, t in draw) / statistics.median(n for n, _ in draw))
+    got.sort()
+    return got[int(0.05 * rounds)], got[int(0.95 * rounds) - 1]
 
 
 def main(argv=None) -> int:
@@ -116,6 +130,13 @@ def main(argv=None) -> int:
     print(
         f"median step over steps {timed[0]['step']}-{timed[-1]['step']}: none {none:.2f} s, "
         f"tba {with_tba:.2f} s, ratio {with_tba / none:.3f} (target <= 1.05)"
+    )
+    pairs = [(r["none_seconds"], r["tba_seconds"]) for r in timed]
+    lo, hi = ratio_interval(pairs)
+    paired = statistics.median(t / n for n, t in pairs)
+    print(
+        f"spread: median of the per-step ratios {paired:.3f}; 90% bootstrap interval of the "
+        f"ratio of medians [{lo:.3f}, {hi:.3f}] (steps resampled in pairs)"
     )
     if late:
         ok = max(late) <= args.target
