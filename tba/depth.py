@@ -34,6 +34,8 @@ class DepthController:
         self.floor = 0
         self.floor_at = 0  # the step that raised the floor, or last halved it
         self.measured = False
+        self.reported = cap  # the window the last INFO line named (see report)
+        self._whys: list[str] = []  # this step's reasons for changing it, in order
         self.decision: dict[str, Any] = {
             "depth": cap,
             "cap": cap,
@@ -56,7 +58,7 @@ class DepthController:
             why += " for the step's saved bytes"
         if room is not None and room < depth:
             depth, why = max(MIN_WINDOW, room), "first step: what TBA_MEMORY_BUDGET leaves"
-        self.depth = depth
+        self.depth = self.reported = depth
         self.decision = {"depth": depth, "cap": self.cap_for(saved_bytes, 0), "reason": why}
         return depth
 
@@ -101,14 +103,30 @@ class DepthController:
 
     def _set(self, step: int, depth: int, why: str) -> None:
         if depth != self.depth:
-            moved = abs(depth - self.depth) > DRIFT * self.depth  # INFO once per real change
-            log.log(
-                logging.INFO if moved else logging.DEBUG,
+            log.debug(
                 "tba: read-ahead window %d -> %d bytes after step %d (%s)",
                 self.depth,
                 depth,
                 step,
                 why,
             )
+            self._whys.append(why)
         self.depth = depth
         self.decision = {**self.decision, "depth": depth, "reason": why, "step": step}
+
+    def report(self, step: int) -> None:
+        """One INFO line for the window's net change after ``step``, once everything that sizes
+        it has had its say (a stall raises it, then a budget or auto's assignment may cut it
+        back), and only when it moved by more than DRIFT since the last line: a user reads one
+        line per real change, not a raise and a cut per step."""
+        whys, self._whys = self._whys, []
+        if abs(self.depth - self.reported) <= DRIFT * self.reported:
+            return
+        log.info(
+            "tba: read-ahead window %d -> %d bytes after step %d (%s)",
+            self.reported,
+            self.depth,
+            step,
+            ", then ".join(dict.fromkeys(whys)) or self.decision["reason"],
+        )
+        self.reported = self.depth

@@ -277,6 +277,7 @@ class Offloader:
         if self.policy.room is not None:  # NOTE [Window under auto] in tba/autopolicy.py
             self.depth.limit(st.index, self.policy.room, "cut to what auto's assignment leaves")
             self.prefetcher.budget = self.depth.depth
+        self.depth.report(st.index)
         if self._trace is not None:
             backward = max(0.0, st.backward_end() - st.forward_end)
             self._trace.step(

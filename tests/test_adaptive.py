@@ -284,6 +284,36 @@ def test_a_stall_raises_a_floor_that_stays():
     assert d.depth == 2 * small  # the floor holds without new stalls
 
 
+def test_a_raise_then_a_cut_in_one_step_is_one_log_line(caplog):
+    # A stall raises the window, then a budget cuts it back in the same step: the user sees
+    # one INFO line for the net change, naming both causes, and none when the net change is
+    # within DRIFT of what the last line said.
+    d = DepthController(cap=128 * MIB)
+    d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
+    d.report(2)
+    small = d.depth
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tba"):
+        d.observe(
+            3, [_rec(0.5, 1.0, 100 * MIB, stall=0.2)], read_bps=1000 * MIB, largest_read=8 * MIB
+        )
+        assert d.depth == 2 * small
+        d.limit(3, small + small // 2, "cut to what TBA_MEMORY_BUDGET leaves")
+        d.report(3)
+    lines = [r.getMessage() for r in caplog.records if "read-ahead window" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"{small} -> {small + small // 2} bytes after step 3" in lines[0]
+    assert "raised after a step stalled, then cut to what TBA_MEMORY_BUDGET leaves" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tba"):
+        d.observe(
+            4, [_rec(0.5, 1.0, 100 * MIB, stall=0.2)], read_bps=1000 * MIB, largest_read=8 * MIB
+        )
+        d.limit(4, small + small // 2, "cut to what TBA_MEMORY_BUDGET leaves")
+        d.report(4)  # raised and cut back to the same window: nothing to say
+    assert not [r for r in caplog.records if "read-ahead window" in r.getMessage()]
+
+
 def test_nothing_measured_changes_nothing():
     d = DepthController(cap=32 * MIB)
     d.observe(2, [], read_bps=None, largest_read=0)
