@@ -142,7 +142,8 @@ def run_cap(args, cap, model, batch, spill, rng):
         run = lambda modes, rounds, warmup, what: rounds_of(  # noqa: E731
             modes, rounds, warmup, f"cap {cap or 'none'}: {what}", model, batch, offs, forced
         )
-        times, peaks, autos = run(modes, args.repeats, args.warmup, "screening")
+        times, peaks, screened_autos = run(modes, args.repeats, args.warmup, "screening")
+        autos = screened_autos
         screened = {m: statistics.median(v) for m, v in times.items()}
         met_once = {m: max(v) <= args.budget * saved for m, v in peaks.items() if v}
         ok = [m for m in modes if m.startswith("A:") and met_once.get(m)]
@@ -150,12 +151,17 @@ def run_cap(args, cap, model, batch, spill, rng):
         if args.confirm_repeats:  # NOTE in the module docstring: the winner's curse
             modes = NAMED + top
             times, more, autos = run(modes, args.confirm_repeats, 0, "confirming")
+            autos = screened_autos + autos  # every round's peak counts (the max is taken)
             for m, v in more.items():
                 peaks[m] += v
     finally:
         for off in (*offs.values(), forced, keep):
             off.close()
-    final_auto = autos[-1] if autos else None
+    final_auto = autos[-1][0] if autos else None
+    rounds = [  # auto's every measured round, screening first: which one set the peak
+        {"actions": a, "peak_over_saved": p / saved, "stall_seconds": stall}
+        for a, p, stall in autos
+    ]
     med = {m: statistics.median(v) for m, v in times.items()}
     peak = {m: max(v) / saved for m, v in peaks.items() if v and m in med}
     met = {m: p <= args.budget for m, p in peak.items()}
@@ -183,7 +189,8 @@ def run_cap(args, cap, model, batch, spill, rng):
         "peak_over_saved": peak,
         "met_budget": met,
         "auto_actions": final_auto,
-        "auto_actions_per_round": autos,
+        "auto_actions_per_round": [r["actions"] for r in rounds],
+        "auto_rounds": rounds,
         "auto_over_best_pure": med["auto"] / pure,
         "auto_over_default": med["auto"] / med["offload"],
         "best_assignment": best,
@@ -212,7 +219,8 @@ def rounds_of(modes, rounds, warmup, what, model, batch, offs, forced):
             if rnd >= warmup:
                 times[m].append(dt)
                 if m == "auto":
-                    autos.append("".join(LETTERS[a] for a in st["group_policy"]))
+                    acts = "".join(LETTERS[a] for a in st["group_policy"])
+                    autos.append((acts, st["peak_with_recompute_bytes"], st["stall_seconds"]))
         print(f"  {what}: round {rnd} done", flush=True)
     return times, peaks, autos
 
@@ -359,7 +367,12 @@ def main(argv=None) -> int:
             print(f"  {m:<12}{med[m]:>10.3f}{ptxt:>12}  {met}")
         if res["confirmed"]:
             print(f"  (medians of the confirmation; screened fastest: {res['confirmed']})")
-        print(f"  auto chose {res['auto_actions']} (per round: {res['auto_actions_per_round']})")
+        per = ", ".join(
+            f"{r['actions']} {r['peak_over_saved']:.3f}"
+            + (f" stall {r['stall_seconds']:.2f} s" if r["stall_seconds"] else "")
+            for r in res["auto_rounds"]
+        )
+        print(f"  auto chose {res['auto_actions']} (per round, peak/saved: {per})")
         print(f"  auto / min(offload-all, checkpoint): {res['auto_over_best_pure']:.3f}")
         print(f"  auto / offload (the default): {res['auto_over_default']:.3f}")
         if res["best_assignment"]:

@@ -59,6 +59,7 @@ from .config import BLOCK_ACTIONS, SELECTIVE
 from .simulator import Engine, Setup, Span, layout
 
 ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload, selective
+WRITES = ("offload", "recompute_offload")  # the actions whose bytes go to disk
 EXHAUSTIVE_BLOCKS = 6  # the default of choose(exhaustive_blocks=...)
 SEARCH_SIMS = 300  # replays a run-time decision may take (NOTE [Chooser])
 KEEP_LAST_STARTS = 32  # values of k of the keep-last assignments the local search replays first
@@ -172,22 +173,32 @@ def predict(
     prefetch_bytes: int,
     staging_bytes: int | None = None,
     staging_waits: bool = False,
+    write_spread: float = 0.0,
 ) -> Prediction:
     """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]);
     ``staging_bytes`` and ``staging_waits``: TBA_STAGING_BYTES and TBA_STAGING_FULL=wait, as
-    the run has them (None: unbounded staging)."""
+    the run has them (None: unbounded staging). With ``write_spread`` the peak is the larger of
+    those at ``write_bps`` and at ``(1 - write_spread) * write_bps`` (NOTE [Write spread] in
+    tba/autopolicy.py); the step time is the one at ``write_bps``."""
     per_group = group_actions(groups, actions)
     spans = [g.span(a) for g, a in zip(groups, per_group)]
-    setup = Setup(
-        write_bps=write_bps,
-        read_bps=read_bps,
-        prefetch_bytes=prefetch_bytes,
-        staging_bytes=staging_bytes,
-        staging_waits=staging_waits,
-    )
-    engine = Engine(setup)
-    got = engine.step(spans, len(spans), actions=per_group)
-    return Prediction(tuple(actions), got.step_seconds, engine.peaks()[0])
+
+    def run(wbps: float) -> tuple[float, int]:
+        setup = Setup(
+            write_bps=wbps,
+            read_bps=read_bps,
+            prefetch_bytes=prefetch_bytes,
+            staging_bytes=staging_bytes,
+            staging_waits=staging_waits,
+        )
+        engine = Engine(setup)
+        got = engine.step(spans, len(spans), actions=per_group)
+        return got.step_seconds, engine.peaks()[0]
+
+    seconds, peak = run(write_bps)
+    if write_spread and any(a in WRITES for a in per_group):
+        peak = max(peak, run((1 - write_spread) * write_bps)[1])
+    return Prediction(tuple(actions), seconds, peak)
 
 
 def choose(
@@ -201,10 +212,12 @@ def choose(
     max_sims: int | None = None,
     staging_bytes: int | None = None,
     staging_waits: bool = False,
+    write_spread: float = 0.0,
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
-    local search's replays (None: no bound); staging as :func:`predict` takes it."""
+    local search's replays (None: no bound); staging and ``write_spread`` as :func:`predict`
+    takes them."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -222,7 +235,14 @@ def choose(
         p = seen.get(actions)
         if p is None:
             p = seen[actions] = predict(
-                groups, actions, write_bps, read_bps, prefetch_bytes, staging_bytes, staging_waits
+                groups,
+                actions,
+                write_bps,
+                read_bps,
+                prefetch_bytes,
+                staging_bytes,
+                staging_waits,
+                write_spread,
             )
         return p
 
