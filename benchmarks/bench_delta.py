@@ -142,16 +142,15 @@ def run_cap(args, cap, model, batch, spill, rng):
         run = lambda modes, rounds, warmup, what: rounds_of(  # noqa: E731
             modes, rounds, warmup, f"cap {cap or 'none'}: {what}", model, batch, offs, forced
         )
-        times, peaks, screened_autos = run(modes, args.repeats, args.warmup, "screening")
-        autos = screened_autos
+        times, peaks, autos = run(modes, args.repeats, args.warmup, "screening")
         screened = {m: statistics.median(v) for m, v in times.items()}
         met_once = {m: max(v) <= args.budget * saved for m, v in peaks.items() if v}
         ok = [m for m in modes if m.startswith("A:") and met_once.get(m)]
         top = sorted(ok, key=screened.get)[: args.confirm]
         if args.confirm_repeats:  # NOTE in the module docstring: the winner's curse
             modes = NAMED + top
-            times, more, autos = run(modes, args.confirm_repeats, 0, "confirming")
-            autos = screened_autos + autos  # every round's peak counts (the max is taken)
+            times, more, confirmed = run(modes, args.confirm_repeats, 0, "confirming")
+            autos += confirmed  # every round's peak counts (the max is taken)
             for m, v in more.items():
                 peaks[m] += v
     finally:

@@ -440,7 +440,7 @@ def test_the_choice_holds_the_budget_at_a_slower_write_rate():
     at_rate = predict(gs, spread.actions, bps, bps, 128 * MiB)
     assert spread.step_seconds == at_rate.step_seconds
     assert spread.peak_bytes == max(at_rate.peak_bytes, slower(spread))
-    # an assignment that writes nothing is predicted once, as it is
+    # an assignment whose peak does not move with the write rate keeps its prediction
     keep = predict(gs, ["recompute"] * 6, bps, bps, 128 * MiB, write_spread=DRIFT)
     assert keep == predict(gs, ["recompute"] * 6, bps, bps, 128 * MiB)
 
