@@ -39,7 +39,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .budget import MIN_WINDOW, allowed_bytes, window_room
+from .budget import MIN_WINDOW, allowed_bytes, widest_window, window_room
 from .depth import DepthController
 from .pacer import DRIFT, STALL_SHARE, Pacer, stalled_seconds
 from .simulator import DEPTH_SAFETY, PIECE, Engine, Saved, Setup, Span, pieces, read_ahead
@@ -245,6 +245,15 @@ class KeepController:
         else:
             best = min(allowed_k, key=lambda p: (p.peak_bytes, p.k))
             why = "no K meets TBA_MEMORY_BUDGET: the smallest predicted peak"
+            # NOTE [Window past the budget] in tba/budget.py
+            first = kept_from(best.k)
+            _, best = widest_window(
+                best.peak_bytes,
+                smallest,
+                want,
+                best,
+                lambda win: _predict(spans, first, w, r, win, best.k, memory=True),
+            )
         self.room = None if allowed is None else best.window
         self._decided(step, best, why, base, w, r, basis, preds, allowed)
         self.decision["decision_seconds"] = self.pacer.spent(t0)
@@ -315,11 +324,14 @@ def adapt(
     largest_read: int,
     saved_bytes: int,
     peak_bytes: int,
+    keeper_room: bool = True,
 ) -> int:
     """One observed step through both controllers, in the order they depend on each other;
     returns the read-ahead window for the next step. The window is sized first, so that K is
     chosen for the window in use; then the budget's room at that K cuts the window (NOTE
-    [Adaptive keep], NOTE [Memory budget] in tba/budget.py)."""
+    [Adaptive keep], NOTE [Memory budget] in tba/budget.py), unless ``keeper_room`` is false:
+    auto's assignment is in force, and its own room applies (NOTE [Window under auto] in
+    tba/autopolicy.py)."""
     depth.observe(step, records, read_bps, largest_read, saved_bytes)
     keeper.prefetch = depth.depth
     keeper.observe(
@@ -333,5 +345,6 @@ def adapt(
         saved_bytes=saved_bytes,
         peak_bytes=peak_bytes,
     )
-    depth.limit(step, keeper.room)
+    if keeper_room:
+        depth.limit(step, keeper.room)
     return depth.depth

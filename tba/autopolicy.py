@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from .budget import MIN_WINDOW, window_room
+from .budget import MIN_WINDOW, widest_window, window_room
 from .chooser import BARE, SEARCH_SIMS, Cost, choose, predict
 from .config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from .pacer import DRIFT, STALL_SHARE, Pacer, stalled_seconds
@@ -106,9 +106,16 @@ MARGIN = 0.98
 # keep-last rule, not auto's assignment, and applies only to TBA_MEMORY_BUDGET, where auto
 # also bounds itself by DEFAULT_BUDGET_SHARE. So after each step auto predicts its assignment
 # in force at the new window; when the peak would pass the chooser's target, the window is cut
-# to the room the target leaves (window_room, with the smallest window one largest read). A
-# window no wider than the one auto decided at needs no prediction (two replays of the
-# simulator, about 7 ms each for 32 blocks on a 2-core VM, on the training thread).
+# to the room the target leaves (window_room, with the smallest window one largest read), or,
+# when even the smallest window's peak is over the target, to the widest window that adds
+# nothing to that peak (NOTE [Window past the budget] in tba/budget.py). A window no wider
+# than the one auto decided at needs no prediction (two replays of the simulator, about 7 ms
+# each for 32 blocks on a 2-core VM, on the training thread; up to five more past the
+# budget). Once auto has chosen, this room replaces adaptive keep's under TBA_MEMORY_BUDGET:
+# adaptive keep's simulator predicts neither auto's assignment nor a bounded staging, and on
+# W1 at batch 32 (whose peak is 256 MiB of writes in flight at the end of the forward) it took
+# each step over the budget as a window too wide, cut the window step by step to 136 MiB, and
+# brought back the stalls a 190 MiB window had removed.
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
 # step's saved bytes (the target the issue sets for the defaults). Read by
@@ -155,6 +162,7 @@ class PolicyController:
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
         self.room: int | None = None  # NOTE [Window under auto]
+        self.fits = True  # the last decision's assignment fits the target (NOTE [Chooser])
         self.decision: dict[str, Any] = {
             "policy": policy,
             "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
@@ -245,6 +253,7 @@ class PolicyController:
         )
         spent = self.pacer.spent(t0)
         self.learned = False
+        self.fits = got.fits
         chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
@@ -285,17 +294,28 @@ class PolicyController:
         actions = self.decision.get("actions")
         if limit is None or not self.chosen or len(actions or ()) != sum(g.block for g in groups):
             return None
-        if prefetch <= self.decision.get("window_bytes", 0):
+        if prefetch <= self.decision.get("window_bytes", 0) and self.fits:
             return None  # chosen at this window or a wider one: it fits there
         asg = self.assignment() or {}
         actions = [asg.get(i, a) for i, a in enumerate(actions)]
         target = int(MARGIN * limit) - self.excess
-        wide = predict(groups, actions, w, r, prefetch, *self.staging, DRIFT)
+        seen: dict[int, Any] = {}
+
+        def at(win: int):  # the assignment's prediction at a window, each replayed once
+            if win not in seen:
+                seen[win] = predict(groups, actions, w, r, win, *self.staging, DRIFT)
+            return seen[win]
+
+        wide = at(prefetch)
         if wide.peak_bytes <= target:
             return None
         smallest = max(smallest, MIN_WINDOW)
-        narrow = predict(groups, actions, w, r, smallest, *self.staging, DRIFT)
-        return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
+        narrow = at(smallest)
+        if narrow.peak_bytes <= target:
+            return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
+        # NOTE [Window past the budget] in tba/budget.py: the target is out of reach anyway
+        room, _ = widest_window(narrow.peak_bytes, smallest, prefetch, narrow, at)
+        return None if room >= prefetch else room
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:
         """The chooser's groups from a step's records; blocks checkpointed by the user are

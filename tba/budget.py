@@ -18,18 +18,33 @@ staging alone is over the budget), tba takes the K with the smallest predicted p
 in ``stats()["budget_decision"]``: only recompute can then meet the budget.
 
 Without a budget, the read-ahead window's cap is TBA_PREFETCH_BYTES when the user set it, else
-:func:`default_window_cap`: an eighth of the step's saved bytes (at least two largest reads, at
-most 128 MiB). A fixed 128 MiB would be more than a small model's whole step.
+:func:`default_window_cap`: an eighth of the step's saved bytes, at most 128 MiB, and never less
+than two largest reads. A fixed 128 MiB would be more than a small model's whole step; and a cap
+of one largest read cannot read a large tensor while the smaller ones in front of it are used
+(W1 at batch 32, whose largest tensors are 128 MiB: 0.6 s of 13 s a step stalled at a 128 MiB
+window, none at 160 MiB, with the same peak: BENCHMARKS.md, batch headroom).
+
+# NOTE [Window past the budget]
+When even the smallest window's predicted peak is over the budget (staging alone is over it: no
+K of adaptive keep fits, or auto's assignment cannot meet its target), cutting the window to one
+largest read meets nothing: the peak is set elsewhere (W1 at batch 32: 256 MiB of writes in
+flight at the end of the forward, against a 241 MiB budget), and the narrow window only adds
+stalls. So the window is then the widest whose predicted peak is no higher than the smallest
+window's (:func:`widest_window`): it costs no memory the step was not spending anyway.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .config import format_size
 
+P = TypeVar("P")  # a prediction: anything with ``peak_bytes``
+
 WINDOW_SHARE = 0.125  # without a budget, the default window cap is this share of saved_bytes
 MIN_WINDOW = 1 << 20  # no window is smaller (TBA_PREFETCH_BYTES's own minimum)
+ROOM_STEPS = 4  # bisections widest_window takes past the byte-for-byte bound
 
 
 def allowed_bytes(budget: int | float | None, saved_bytes: int) -> int | None:
@@ -53,9 +68,10 @@ def describe(budget: int | float | None) -> str:
 
 def default_window_cap(cap: int, saved_bytes: int, largest_read: int) -> int:
     """The read-ahead cap when TBA_PREFETCH_BYTES is not set: WINDOW_SHARE of the step's saved
-    bytes, at least two largest reads (one consumed while the next is read), within ``cap``."""
+    bytes within ``cap``, and at least two largest reads (one consumed while the next is read)
+    even past ``cap`` (NOTE [Memory budget])."""
     want = max(int(WINDOW_SHARE * saved_bytes), 2 * largest_read, MIN_WINDOW)
-    return min(cap, want)
+    return min(max(cap, 2 * largest_read), want)
 
 
 def window_room(allowed: int, peak_at_smallest: int, smallest: int) -> int:
@@ -63,6 +79,32 @@ def window_room(allowed: int, peak_at_smallest: int, smallest: int) -> int:
     predicted peak with the smallest window (``smallest`` bytes): the window grows the peak at
     most byte for byte, so the room is the smallest window plus what the budget leaves."""
     return max(smallest, smallest + allowed - peak_at_smallest)
+
+
+def widest_window(limit: int, smallest: int, want: int, narrow: P, predict: Callable[[int], P]):
+    """The widest window in ``[smallest, want]`` whose predicted peak is within ``limit``, and
+    its prediction (NOTE [Window past the budget]). ``narrow`` is the prediction at
+    ``smallest``, ``predict(window)`` one at another window (anything with ``peak_bytes``).
+    The byte-for-byte bound (:func:`window_room`) always fits; ROOM_STEPS bisections look past
+    it, since a window often adds less than its size (what it holds is not all resident at the
+    step's peak)."""
+    if want <= smallest:
+        return smallest, narrow
+    wide = predict(want)
+    if wide.peak_bytes <= limit:
+        return want, wide
+    lo, got, hi = smallest, narrow, want
+    guess = min(want, window_room(limit, narrow.peak_bytes, smallest))
+    for i in range(ROOM_STEPS + 1):
+        mid = guess if i == 0 else lo + (hi - lo) // 2
+        if mid <= lo or hi - lo <= MIN_WINDOW:
+            continue
+        p = predict(mid)
+        if p.peak_bytes <= limit:
+            lo, got = mid, p
+        else:
+            hi = mid
+    return lo, got
 
 
 def decision(budget: int | float | None, saved_bytes: int, **more: Any) -> dict[str, Any]:

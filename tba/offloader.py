@@ -262,6 +262,8 @@ class Offloader:
             largest_read=largest,
             saved_bytes=st.saved_bytes,
             peak_bytes=st.peak_resident_bytes,
+            # once auto has chosen, its own room bounds the window (NOTE [Window under auto])
+            keeper_room=not self.policy.chosen,
         )
         peak = max(st.peak_resident_bytes, st.peak_with_recompute_bytes)
         self.policy.observe(

@@ -18,6 +18,7 @@ from tba.adaptive import (
     simulate,
 )
 from tba.autopolicy import PolicyController
+from tba.budget import ROOM_STEPS, default_window_cap, widest_window
 from tba.depth import FLOOR_AGE, DepthController
 from tba.pacer import Pacer
 from tba.testing import GPT, GPTConfig, random_batch
@@ -448,6 +449,38 @@ def test_default_window_scales_with_the_steps_saved_bytes():
     assert fixed.first(40 * MIB, None) == 128 * MIB
 
 
+def test_the_default_window_holds_two_largest_reads_past_its_cap():
+    """NOTE [Memory budget]: a cap of one largest read cannot read a large tensor while the
+    smaller ones in front of it are used (W1 at batch 32 stalled 0.6 s a step at 128 MiB)."""
+    assert default_window_cap(128 * MIB, 10 << 30, 128 * MIB) == 256 * MIB
+    assert default_window_cap(128 * MIB, 10 << 30, 16 * MIB) == 128 * MIB  # the cap stands
+    d = DepthController(cap=128 * MIB, scaled=True)
+    d.observe(2, [_rec(0.5, 1.0, 3 << 30)], 1000 * MIB, 128 * MIB, saved_bytes=3 << 30)
+    assert d.decision["cap"] == 256 * MIB
+    fixed = DepthController(cap=128 * MIB)  # TBA_PREFETCH_BYTES set: the cap stands
+    fixed.observe(2, [_rec(0.5, 1.0, 3 << 30)], 1000 * MIB, 128 * MIB, saved_bytes=3 << 30)
+    assert fixed.depth == fixed.decision["cap"] == 128 * MIB
+
+
+def test_the_widest_window_adds_nothing_past_the_limit():
+    """NOTE [Window past the budget]: a peak set elsewhere (staging, 300 MiB) until the window
+    passes 200 MiB; the widest window within that peak, in a bounded number of replays."""
+    asked = []
+
+    class P:
+        def __init__(self, win):
+            asked.append(win)
+            self.peak_bytes = max(300 * MIB, 100 * MIB + win)
+
+    narrow = P(128 * MIB)
+    room, got = widest_window(narrow.peak_bytes, 128 * MIB, 512 * MIB, narrow, P)
+    assert 128 * MIB < room <= 200 * MIB and got.peak_bytes <= narrow.peak_bytes
+    assert 200 * MIB - room <= (512 - 128) * MIB >> ROOM_STEPS  # as close as the bisections go
+    assert len(asked) <= ROOM_STEPS + 3
+    assert widest_window(400 * MIB, 128 * MIB, 256 * MIB, narrow, P)[0] == 256 * MIB
+    assert widest_window(10 * MIB, 128 * MIB, 128 * MIB, narrow, P) == (128 * MIB, narrow)
+
+
 def test_budget_cuts_the_window_but_never_below_one_read():
     d = DepthController(cap=128 * MIB)
     d.observe(2, [_rec(0.5, 1.0, 100 * MIB)], read_bps=1000 * MIB, largest_read=8 * MIB)
@@ -488,6 +521,8 @@ def test_a_budget_no_k_meets_takes_the_smallest_peak_and_says_so():
     assert "no K meets TBA_MEMORY_BUDGET" in dec["reason"]
     peaks = dec["candidate_peaks"]
     assert bound.k < free.k and peaks[bound.k] == min(peaks[k] for k in range(6))
+    # NOTE [Window past the budget]: that peak is not the window's, so the window is not cut
+    assert bound.room == 128 << 20 and dec["window_room_bytes"] == bound.room
 
 
 def test_a_step_over_budget_re_decides_with_a_margin():

@@ -485,6 +485,52 @@ def test_a_window_raised_after_the_choice_is_cut_to_what_the_choice_leaves():
     assert ctl.room is None  # no budget, no cut
 
 
+def test_a_window_past_an_unreachable_target_adds_nothing_to_the_peak():
+    """NOTE [Window past the budget]: when no assignment fits, cutting the window to one read
+    meets nothing; the room is the widest window whose peak is no higher than that one's."""
+    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    budget = lambda saved: 20 * MiB  # noqa: E731 - below any assignment's peak
+    ctl.observe(1, records(["offload"] * 6), 1e9, 1e9, budget, 8 * MiB, 0, 8 * MiB)
+    assert not ctl.fits and ctl.room is None  # lowest peak, chosen at this window
+    ran = [ctl.assignment()[i] for i in range(6)]
+    gs, _ = ctl._costs(records(ran))
+    at = lambda win: predict(gs, ran, 1e9, 1e9, win, write_spread=DRIFT).peak_bytes  # noqa: E731
+    assert at(8 * MiB) > ctl.decision["target_bytes"]
+    ctl.observe(2, records(ran), 1e9, 1e9, budget, 256 * MiB, 0, 8 * MiB)
+    assert ctl.decision["step"] == 1  # not due: the choice stands
+    assert 8 * MiB < ctl.room < 256 * MiB  # the old rule cut it to 8 MiB
+    assert at(ctl.room) <= at(8 * MiB) < at(256 * MiB)
+
+
+def test_once_auto_has_chosen_adaptive_keeps_room_does_not_cut_the_window(make_offloader):
+    """NOTE [Window under auto]: under TBA_MEMORY_BUDGET adaptive keep sizes a room too, from a
+    model of the keep-last rule; once auto has chosen, only auto's room cuts the window."""
+    from tba.testing import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(vocab=64, seq=64, hidden=64, heads=4, layers=3)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    # block 0 offloaded whatever auto chooses, so that every step reads and sizes its window
+    off = make_offloader(policy="auto", memory_budget=0.5, block_policy="offload")
+    real = off.keeper.observe
+
+    def observe(*args, **kw):
+        real(*args, **kw)
+        off.keeper.room = 4096  # a tight room, as a misjudging model would give
+
+    off.keeper.observe = observe
+    off.policy._window_room = lambda *args: None  # auto's own room leaves the window alone
+    seen = []  # (the step observed, why the window is what it is)
+    for _ in range(4):
+        with off.step(model):  # observes the step before
+            loss = model(*random_batch(cfg, 4))
+        loss.backward()
+        seen.append((off.depth.decision.get("step"), off.depth.decision["reason"]))
+    assert seen[1] == (1, "cut to what TBA_MEMORY_BUDGET leaves")  # auto had not chosen yet
+    assert [s for s, _ in seen[2:]] == [2, 3]
+    assert all("TBA_MEMORY_BUDGET" not in why for _, why in seen[2:])
+
+
 def test_the_offloader_cuts_its_window_to_what_autos_assignment_leaves(make_offloader):
     """NOTE [Window under auto]: the Offloader applies the room auto's controller reports, to
     the window and to the prefetcher's budget, after adaptive keep has sized the window."""
