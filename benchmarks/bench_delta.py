@@ -22,8 +22,13 @@ Two phases per cap. Screening: ``--repeats`` rounds of every mode. The fastest o
 medians is faster than the assignment really is (the winner's curse: on this disk one step varies
 by 10% round to round), so the best is not judged on the rounds that picked it. Confirmation: the
 ``--confirm`` (3) fastest screened assignments that met the budget run again with the named modes
-(none, checkpoint, offload, offload-all, auto) for ``--confirm-repeats`` (5) rounds, and every
+(none, checkpoint, offload, offload-all, auto) for ``--confirm-repeats`` (10) rounds, and every
 ratio and check is taken from those rounds alone (``--confirm-repeats 0``: from the screening).
+Picking the fastest of the three confirmed medians is itself a selection, which favours the
+best by about one standard error of a median (on W1 at 20 MB/s the candidates are predicted
+within 1% of each other, so which one measures fastest is mostly noise). So the best assignment
+is picked on the odd confirmation rounds, and auto / best is judged on the even ones (held out);
+the ratio on all rounds to the fastest confirmed median is printed beside it.
 
 The budget is ``--budget`` (0.35) of ``saved_bytes`` (a keep step's). Memory is tba's
 ``peak_with_recompute_bytes``: what tba holds (kept, staging, read-back) and, while backward
@@ -168,9 +173,11 @@ def run_cap(args, cap, model, batch, spill, rng):
     best = min(ok, key=med.get) if ok else None
     pure = min(med["offload-all"], med["checkpoint"])
     over_best = med["auto"] / med[best] if best else None
+    held = held_out(times, ok) if args.confirm_repeats >= 2 else None
+    judged = held["auto_over_best"] if held else over_best
     checks = {  # issue 16's acceptance at this cap
         "auto met the budget": bool(met.get("auto")),
-        "auto within 3% of the best assignment": over_best is not None and over_best <= 1.03,
+        "auto within 3% of the best assignment": judged is not None and judged <= 1.03,
     }
     if cap and cap <= 50e6:
         key = "auto <= 0.97x the better of offload-all and checkpoint"
@@ -193,8 +200,25 @@ def run_cap(args, cap, model, batch, spill, rng):
         "auto_over_best_pure": med["auto"] / pure,
         "auto_over_default": med["auto"] / med["offload"],
         "best_assignment": best,
-        "auto_over_best_assignment": over_best,
+        "auto_over_best_assignment": over_best,  # to the fastest of the confirmed medians
+        "held_out": held,  # picked on odd confirmation rounds, judged on the even ones
         "checks": checks,
+    }
+
+
+def held_out(times, ok) -> dict | None:
+    """auto / the best assignment, the best picked on the odd rounds of ``times`` and the
+    ratio of medians taken on the even ones (see the module docstring); None without one."""
+    if not ok or min(len(times[m]) for m in [*ok, "auto"]) < 2:
+        return None
+    best = min(ok, key=lambda m: statistics.median(times[m][0::2]))
+    judge = {m: statistics.median(times[m][1::2]) for m in (best, "auto")}
+    return {
+        "best_assignment": best,
+        "auto_seconds": judge["auto"],
+        "best_seconds": judge[best],
+        "auto_over_best": judge["auto"] / judge[best],
+        "rounds": len(times["auto"][1::2]),
     }
 
 
@@ -307,8 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--confirm-repeats",
         type=int,
-        default=5,
-        help="rounds of the confirmation (0: judge on the screening)",
+        default=10,
+        help="rounds of the confirmation (0: judge on the screening; 2 or more: the best "
+        "assignment is picked on the odd rounds and judged on the even ones)",
     )
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--auto-warmup", type=int, default=3, help="auto's steps before the rounds")
@@ -376,8 +401,14 @@ def main(argv=None) -> int:
         print(f"  auto / offload (the default): {res['auto_over_default']:.3f}")
         if res["best_assignment"]:
             print(
-                f"  auto / best assignment ({res['best_assignment']}): "
-                f"{res['auto_over_best_assignment']:.3f}"
+                f"  auto / fastest confirmed median ({res['best_assignment']}, all rounds, "
+                f"biased low by the pick): {res['auto_over_best_assignment']:.3f}"
+            )
+        if res["held_out"]:
+            h = res["held_out"]
+            print(
+                f"  auto / best assignment ({h['best_assignment']}, picked on the odd rounds, "
+                f"judged on the {h['rounds']} even ones): {h['auto_over_best']:.3f}"
             )
         for what, ok in res["checks"].items():
             print(f"  {'PASS' if ok else 'FAIL'}: {what}")

@@ -18,11 +18,15 @@ staging alone is over the budget), tba takes the K with the smallest predicted p
 in ``stats()["budget_decision"]``: only recompute can then meet the budget.
 
 Without a budget, the read-ahead window's cap is TBA_PREFETCH_BYTES when the user set it, else
-:func:`default_window_cap`: an eighth of the step's saved bytes, at most 128 MiB, and never less
-than two largest reads. A fixed 128 MiB would be more than a small model's whole step; and a cap
-of one largest read cannot read a large tensor while the smaller ones in front of it are used
-(W1 at batch 32, whose largest tensors are 128 MiB: 0.6 s of 13 s a step stalled at a 128 MiB
-window, none at 160 MiB, with the same peak: BENCHMARKS.md, batch headroom).
+:func:`default_window_cap`: an eighth of the step's saved bytes (at least two largest reads, at
+most 128 MiB). A fixed 128 MiB would be more than a small model's whole step. Where two largest
+reads are more than 128 MiB, a step that stalls may raise the window past that default cap, up
+to two largest reads (NOTE [Prefetch depth] in tba/simulator/rules.py, ``DepthController``): a
+window of one largest read cannot read a large tensor while the smaller ones in front of it are
+used (W1 at batch 32, whose largest tensors are 128 MiB: 0.6 s of a 13 s step stalled at a
+128 MiB window, none at 160 MiB, with the same peak; BENCHMARKS.md, batch headroom). Only a
+stall does: the wider window costs memory, and at batch 23 to 25, where W1 stalled under 1%, it
+cost the default two sequences of batch headroom when it was the cap.
 
 # NOTE [Window past the budget]
 When even the smallest window's predicted peak is over the budget (staging alone is over it: no
@@ -68,10 +72,9 @@ def describe(budget: int | float | None) -> str:
 
 def default_window_cap(cap: int, saved_bytes: int, largest_read: int) -> int:
     """The read-ahead cap when TBA_PREFETCH_BYTES is not set: WINDOW_SHARE of the step's saved
-    bytes within ``cap``, and at least two largest reads (one consumed while the next is read)
-    even past ``cap`` (NOTE [Memory budget])."""
+    bytes, at least two largest reads (one consumed while the next is read), within ``cap``."""
     want = max(int(WINDOW_SHARE * saved_bytes), 2 * largest_read, MIN_WINDOW)
-    return min(max(cap, 2 * largest_read), want)
+    return min(cap, want)
 
 
 def window_room(allowed: int, peak_at_smallest: int, smallest: int) -> int:

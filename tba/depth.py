@@ -69,18 +69,21 @@ class DepthController:
             return
         self.measured = True
         cap = self.cap_for(saved_bytes, largest_read)
+        # a stall may raise a default cap to two largest reads (NOTE [Memory budget])
+        ceiling = max(cap, 2 * largest_read) if self.scaled else cap
         consumed = sum(x["offloaded_bytes"] for x in records)
         bwd = sum(x["bwd_seconds"] for x in records)
         base = sum(x["fwd_seconds"] + x["bwd_seconds"] for x in records)
         stalled = sum(x["stall_seconds"] for x in records)
         if stalled > STALL_SHARE * base:
-            self.floor = min(cap, 2 * self.depth)
+            self.floor = min(ceiling, 2 * self.depth)
             self.floor_at = step
         elif self.floor and step - self.floor_at >= FLOOR_AGE:  # a stall long ago: halve it
             self.floor, self.floor_at = self.floor // 2 if self.floor > MIN_WINDOW else 0, step
+        self.floor = min(self.floor, ceiling)
         rate = consumed / bwd if bwd > 0 else float("inf")
         want, why = read_ahead(largest_read, rate, read_bps, cap)
-        depth = min(cap, max(want, largest_read, self.floor))
+        depth = min(max(cap, self.floor), max(want, largest_read, self.floor))
         if self.floor and depth == self.floor and want < self.floor:
             why = "raised after a step stalled"
         self._set(step, depth, why)

@@ -18,7 +18,7 @@ from tba.adaptive import (
     simulate,
 )
 from tba.autopolicy import PolicyController
-from tba.budget import ROOM_STEPS, default_window_cap, widest_window
+from tba.budget import ROOM_STEPS, widest_window
 from tba.depth import FLOOR_AGE, DepthController
 from tba.pacer import Pacer
 from tba.testing import GPT, GPTConfig, random_batch
@@ -449,17 +449,21 @@ def test_default_window_scales_with_the_steps_saved_bytes():
     assert fixed.first(40 * MIB, None) == 128 * MIB
 
 
-def test_the_default_window_holds_two_largest_reads_past_its_cap():
-    """NOTE [Memory budget]: a cap of one largest read cannot read a large tensor while the
-    smaller ones in front of it are used (W1 at batch 32 stalled 0.6 s a step at 128 MiB)."""
-    assert default_window_cap(128 * MIB, 10 << 30, 128 * MIB) == 256 * MIB
-    assert default_window_cap(128 * MIB, 10 << 30, 16 * MIB) == 128 * MIB  # the cap stands
+def test_a_stall_raises_a_default_window_to_two_largest_reads_past_its_cap():
+    """NOTE [Memory budget]: a window of one largest read cannot read a large tensor while the
+    smaller ones in front of it are used (W1 at batch 32 stalled 0.6 s a step at 128 MiB). A
+    stall may raise the default cap to two largest reads; without one the cap stands."""
+    big = dict(saved_bytes=3 << 30)
     d = DepthController(cap=128 * MIB, scaled=True)
-    d.observe(2, [_rec(0.5, 1.0, 3 << 30)], 1000 * MIB, 128 * MIB, saved_bytes=3 << 30)
-    assert d.decision["cap"] == 256 * MIB
+    d.observe(2, [_rec(0.5, 1.0, 3 << 30)], 1000 * MIB, 128 * MIB, **big)
+    assert d.depth == 128 * MIB  # no stall: the default cap
+    d.observe(3, [_rec(0.5, 1.0, 3 << 30, stall=0.2)], 1000 * MIB, 128 * MIB, **big)
+    assert d.depth == 256 * MIB and d.decision["reason"] == "raised after a step stalled"
+    d.observe(4, [_rec(0.5, 1.0, 3 << 30, stall=0.2)], 1000 * MIB, 128 * MIB, **big)
+    assert d.depth == 256 * MIB  # two largest reads, no more
     fixed = DepthController(cap=128 * MIB)  # TBA_PREFETCH_BYTES set: the cap stands
-    fixed.observe(2, [_rec(0.5, 1.0, 3 << 30)], 1000 * MIB, 128 * MIB, saved_bytes=3 << 30)
-    assert fixed.depth == fixed.decision["cap"] == 128 * MIB
+    fixed.observe(3, [_rec(0.5, 1.0, 3 << 30, stall=0.2)], 1000 * MIB, 128 * MIB, **big)
+    assert fixed.depth == 128 * MIB
 
 
 def test_the_widest_window_adds_nothing_past_the_limit():

@@ -163,8 +163,10 @@ def layout(nbytes: int, sizes: Sequence[int], name: str = "") -> list[Saved]:
 # after it to be issued early enough; SAFETY (2) absorbs jitter. When the disk reads slower
 # than backward consumes (r <= c), no window hides that, and the cap is used (adaptive keep
 # then keeps more). A step that stalls more than STALL_SHARE of its compute raises a floor: the
-# depth does not drop below twice the depth that stalled (up to the cap; DepthController in
-# tba/depth.py) until FLOOR_AGE steps pass without a stall, when the floor halves. A smaller
+# depth does not drop below twice the depth that stalled (up to the cap, or, for the default
+# cap, up to two largest reads where those are more: NOTE [Memory budget] in tba/budget.py;
+# DepthController in tba/depth.py) until FLOOR_AGE steps pass without a stall, when the floor
+# halves. A smaller
 # window is a lower peak: on W1 the read-ahead window is most of what tba keeps resident in
 # backward. TBA_MEMORY_BUDGET can cut the window below this (NOTE [Memory budget] in
 # tba/budget.py), never below one largest read.
