@@ -246,13 +246,13 @@ class KeepController:
             best = min(allowed_k, key=lambda p: (p.peak_bytes, p.k))
             why = "no K meets TBA_MEMORY_BUDGET: the smallest predicted peak"
             # NOTE [Window past the budget] in tba/budget.py
-            first = kept_from(best.k)
+            k, first = best.k, kept_from(best.k)
             _, best = widest_window(
                 best.peak_bytes,
                 smallest,
                 want,
                 best,
-                lambda win: _predict(spans, first, w, r, win, best.k, memory=True),
+                lambda win: _predict(spans, first, w, r, win, k, memory=True),
             )
         self.room = None if allowed is None else best.window
         self._decided(step, best, why, base, w, r, basis, preds, allowed)
