@@ -7,7 +7,8 @@ on each block mark which block is executing; they are installed once per model, 
 it is given to a step (:meth:`GroupTracker.attach`), and do nothing outside this tracker's
 steps. Each block has an action (NOTE [Block policy] in tba/recompute.py); with the default
 policy, tensors packed from the first of the last ``keep_last`` blocks onwards (the head
-included) are kept resident: backward needs them first. Without a model, a new group starts
+included) are kept resident: backward needs them first; under adaptive keep the head is kept at
+every K (NOTE [Head under adaptive keep]). Without a model, a new group starts
 every ``group_bytes`` packed bytes, and the last ``keep_last`` groups of the previous step
 decide which window is kept (none on the first step).
 
@@ -30,6 +31,25 @@ recomputed (item 6 of NOTE [Block policy]): the step's ``group_policy`` is empty
 ``TBA_POLICY=keep`` keeps every window. The recompute wrappers of the blocks whose action is
 ``recompute`` are still installed each step, so compiled code built in a step that installed
 them (the first) stays valid; traced, they are the plain forward.
+
+# NOTE [Head under adaptive keep]
+The head is what the forward packs after its last block: the final norm, the LM head's input,
+the logits' log-softmax. Backward unpacks it first, at once, and needs nearly all of it at the
+same moment (the loss's backward), so offloading it cannot lower the step's peak: its bytes are
+resident at the turn whether they were kept or written and read back. What offloading them does
+is cost a write, a read (or a write nobody reads, when backward takes the bytes before the write
+completes) and two checksum passes, and it puts the last block's reads behind the head's on the
+drive just when backward wants them. On the 6-layer HF Llama of bench_defaults (vocab 32000,
+batch 4, seq 512, fp32) the head is 281 of the step's 965 MiB saved: at K=0 all of it was
+written and 262 MiB of it never read. So while adaptive keep decides (TBA_KEEP_LAST=auto, no
+assignment from TBA_POLICY or TBA_BLOCK_POLICY), the head is kept at every K, K=0 included, and
+its simulation (``kept_from``) says the same. Measured there: bytes written per step 1011 ->
+730 MB, peak / saved 0.295 -> 0.312 (the final norm's and LM head's inputs, no longer written
+before the turn). An explicit TBA_KEEP_LAST=0 still offloads the head: it asks for everything
+that can be written. Without blocks (pack-order windows) there is no head to tell apart, and
+neither is there when the model has a second stack of repeated modules (``one_stack``): in T5
+or BART the blocks found are the encoder's, and what runs after the last of them is the whole
+decoder, whose tensors backward consumes layer by layer and whose offload does lower the peak.
 """
 
 from __future__ import annotations
@@ -65,6 +85,24 @@ def detect_blocks(model: nn.Module) -> list[nn.Module]:
     return children if children else [model]
 
 
+def one_stack(model: nn.Module, blocks: list[nn.Module]) -> bool:
+    """Whether ``blocks`` are ``model``'s only stack of repeated modules (outside the blocks
+    themselves): a decoder-only LM, not an encoder-decoder (T5, BART) or a model with a tower of
+    its own. Only then is what runs after the last block known to be a head and not a second
+    stack (NOTE [Head under adaptive keep])."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    ours = {id(b) for b in blocks}
+    for mod in model.modules():
+        if id(mod) in inside or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod)
+        if any(id(c) in ours for c in children):
+            continue  # the blocks' own container
+        if len(children) >= 2 and Counter(type(c) for c in children).most_common(1)[0][1] >= 2:
+            return False
+    return True
+
+
 def _tensor_bytes(args: Any) -> int:
     """Bytes of the distinct storages of the tensors among ``args``."""
     seen = {}
@@ -78,11 +116,12 @@ def _tensor_bytes(args: Any) -> int:
 class _Attached:
     """The block hooks installed on one model, and how its saved tensors are grouped."""
 
-    __slots__ = ("name", "blocks", "handles", "windows")
+    __slots__ = ("name", "blocks", "handles", "windows", "one_stack")
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         self.name = type(model).__name__
         self.blocks = blocks
+        self.one_stack = one_stack(model, blocks)
         self.handles: list[Any] = []
         self.windows = False  # no block hook fires (NOTE [Compiled regions]): pack-order windows
 
@@ -117,6 +156,7 @@ class GroupTracker:
         self.group_bytes = group_bytes
         self.prev_windows: int | None = None
         self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
+        self.one_stack = False  # that model's blocks are its only stack (one_stack)
         self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
         self.default_action: str | None = None  # blocks not in it; None: from keep_last
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
@@ -133,13 +173,26 @@ class GroupTracker:
         """The first group index kept with ``keep_last=k``, for a step of ``groups`` groups.
 
         With a model, group 2i+1 is block i and the groups between and after blocks follow the
-        block before them; without one, groups are the pack-order windows.
+        block before them, except the head under adaptive keep (:attr:`head_kept`: group 2n,
+        kept at every K); without one, groups are the pack-order windows.
         """
         if k <= 0:
-            return groups
+            return min(groups, 2 * self.n_blocks) if self.head_kept else groups
         if self.n_blocks:
             return max(1, 2 * (self.n_blocks - k) + 1)
         return max(0, groups - k)
+
+    @property
+    def head_kept(self) -> bool:
+        """Whether the head (what the forward packs after its last block) stays resident
+        whatever the last block's action: under adaptive keep, while the keep-last rule decides
+        (NOTE [Head under adaptive keep])."""
+        return (
+            self.adaptive
+            and self.one_stack
+            and self.assignment is None
+            and self.default_action is None
+        )
 
     def max_keep(self, groups: int) -> int:
         return self.n_blocks or groups
@@ -165,6 +218,7 @@ class GroupTracker:
         self.packed = 0
         self.window = 0  # the pack-order window of the last pack
         self.entered = 0  # block hooks that fired in this step
+        self.block = -1  # the block the forward entered last
         self.first_kept: int | None = None  # windows: the first kept window
         self.by_model = False
         self.current: _Attached | None = None  # the model whose block hooks count now
@@ -209,6 +263,7 @@ class GroupTracker:
             self.by_model = True
             self.current = rec
             n = self.n_blocks = len(rec.blocks)
+            self.one_stack = rec.one_stack
             actions = self.actions_now = [
                 "recompute" if a == SELECTIVE and compiled(b) else a
                 for a, b in zip(self.actions(n), rec.blocks)
@@ -218,6 +273,7 @@ class GroupTracker:
             self._wrap_recomputed(rec, actions)
             return
         self.n_blocks = 0
+        self.one_stack = False
         self.actions_now = []
         if rec is not None:  # windows: the same wrappers, for compiled code's guards
             self._wrap_recomputed(rec, self.actions(len(rec.blocks)))
@@ -245,6 +301,7 @@ class GroupTracker:
 
     def enter_block(self, i: int, args: Any, block: nn.Module | None = None) -> None:
         self.entered += 1
+        self.block = i
         self._switch(self.group + 1)
         if user_checkpointed(block):  # left as it is (NOTE [Block policy], item 4)
             act = USER
@@ -265,6 +322,8 @@ class GroupTracker:
     def exit_block(self) -> None:
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
         self.recomputing = False
+        if self.block == self.n_blocks - 1 and self.head_kept:
+            self.kept = True
         if self.kept and self.stat is not None:
             self.stat.kept = True  # after a kept block (the head): kept too
 

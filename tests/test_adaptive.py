@@ -634,3 +634,109 @@ def test_a_tensor_every_block_saves_times_each_block_by_its_own_backward(
     recs = off._last.group_records()
     bwd = [r["bwd_seconds"] for r in recs if r["tensors"] > 0][:4]  # the 4 blocks, in order
     assert len(bwd) == 4 and all(0.04 <= b < 5 for b in bwd), bwd
+
+
+HEAD_CFG = GPTConfig(vocab=512, seq=64, hidden=64, heads=4, layers=4)
+
+
+def _head_trace(make_offloader, path, **kw):
+    off = make_offloader(trace=str(path), **kw)
+    torch.manual_seed(0)
+    model = GPT(HEAD_CFG)
+    x, y = random_batch(HEAD_CFG, 4)
+    for _ in range(4):
+        with off.step(model):
+            loss = model(x, y)
+        loss.backward()
+    off.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    head = 2 * HEAD_CFG.layers  # groups: lead, then block i at 2i+1 and what follows it at 2i+2
+    return {
+        s["step"]: (
+            [g for g in lines if g["type"] == "group" and g["step"] == s["step"]][head],
+            s,
+        )
+        for s in lines
+        if s["type"] == "step"
+    }
+
+
+def test_adaptive_keep_keeps_the_head_at_every_k(make_offloader, tmp_path):
+    """NOTE [Head under adaptive keep]: what the forward packs after the last block (here the
+    final LayerNorm, the LM head's input and the cross-entropy's log-softmax) is kept under
+    TBA_KEEP_LAST=auto whatever K is, K=0 included; an explicit keep_last=0 writes it."""
+    auto = _head_trace(make_offloader, tmp_path / "auto.jsonl", keep_last="auto", memory_budget=0.3)
+    k0 = [st for head, st in auto.values() if st["keep_last"] == 0]
+    assert k0, "the budget should leave adaptive keep at K=0 in some step"
+    for head, st in auto.values():
+        assert head["kept"] and head["offloaded_bytes"] == 0, (st["step"], head)
+    fixed = _head_trace(make_offloader, tmp_path / "fixed.jsonl", keep_last=0)
+    for head, _ in fixed.values():
+        assert not head["kept"] and head["offloaded_bytes"] > 0
+
+
+def test_adaptive_keeps_simulation_keeps_the_head_at_k0():
+    """kept_from, which adaptive keep's simulation uses, says the same as the run: the head
+    (group 2n) is resident at K=0 under adaptive keep, and not with a fixed K=0."""
+    from tba.groups import GroupTracker
+
+    g = GroupTracker(keep_last=0, group_bytes=1 << 20)
+    g.n_blocks = 6
+    assert g.kept_from(0, 13) == 13 and g.kept_from(1, 13) == 11
+    g.adaptive = True
+    assert g.kept_from(0, 13) == 13  # not known to be a single stack: what follows may be one
+    g.one_stack = True
+    assert g.kept_from(0, 13) == 12 and g.kept_from(1, 13) == 11
+    g.assignment = {0: "recompute"}  # auto has chosen: the head follows the last block again
+    assert g.kept_from(0, 13) == 13
+
+
+def test_only_a_models_single_stack_has_a_head():
+    """one_stack: a decoder-only LM's blocks are its only stack of repeated modules, so what
+    runs after them is a head; an encoder-decoder's second stack (the blocks found are the
+    encoder's) is not a head, and it is not kept (NOTE [Head under adaptive keep])."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    from tba.groups import detect_blocks, one_stack
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    models = {
+        "gpt": (GPT(CFG), True),
+        "llama": (LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, **small)), True),
+        "mixtral": (
+            MixtralForCausalLM(MixtralConfig(num_hidden_layers=3, num_local_experts=4, **small)),
+            True,
+        ),
+        "t5": (
+            T5ForConditionalGeneration(
+                T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+            ),
+            False,
+        ),
+        "bart": (
+            BartForConditionalGeneration(
+                BartConfig(
+                    vocab_size=64,
+                    d_model=32,
+                    encoder_layers=2,
+                    decoder_layers=2,
+                    encoder_attention_heads=4,
+                    decoder_attention_heads=4,
+                    encoder_ffn_dim=64,
+                    decoder_ffn_dim=64,
+                )
+            ),
+            False,
+        ),
+    }
+    for name, (model, single) in models.items():
+        assert one_stack(model, detect_blocks(model)) is single, name
