@@ -70,9 +70,10 @@ def on_disk(backend, extent) -> bytes:
     return bytes(back)
 
 
-def os_threads() -> list[str]:
-    """This process's kernel threads, less io_uring's own workers (they come and go)."""
-    names = []
+def os_threads() -> set[int]:
+    """This process's kernel threads (their ids), less io_uring's own workers (they come and
+    go)."""
+    tids = set()
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
@@ -80,18 +81,37 @@ def os_threads() -> list[str]:
         except FileNotFoundError:
             continue
         if not name.startswith("iou-"):
-            names.append(name)
-    return names
+            tids.add(int(tid))
+    return tids
 
 
-def settled(before: int, count, timeout: float = 5.0) -> int:
-    """count(), once it is back to ``before`` (threads exit a moment after join returns)."""
+def open_fds() -> set[tuple[int, str]]:
+    """This process's open descriptors, each with what it points at (a number alone can be
+    closed and reused in between)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((int(fd), os.readlink(f"/proc/self/fd/{fd}")))
+        except FileNotFoundError:
+            continue  # the listing's own descriptor, or one closed meanwhile
+    return out
+
+
+def py_threads() -> set[int]:
+    return {id(t) for t in threading.enumerate()}
+
+
+def leaked(before: set, now, timeout: float = 5.0) -> set:
+    """What ``now()`` holds that ``before`` did not, once that is nothing (threads exit a moment
+    after join returns) or ``timeout`` passed. Set-wise, so that a thread or descriptor an
+    earlier test left to finish, and which ends meanwhile, cannot hide one this test leaked or
+    fail a test that leaked nothing."""
     deadline = time.monotonic() + timeout
-    now = count()
-    while now != before and time.monotonic() < deadline:
+    new = now() - before
+    while new and time.monotonic() < deadline:
         time.sleep(0.05)
-        now = count()
-    return now
+        new = now() - before
+    return new
 
 
 # -- engine_status ---------------------------------------------------------------------------
@@ -457,7 +477,7 @@ def test_simulated_eperm_falls_back_to_threads(make_cfg):
 @needs_engine
 @pytest.mark.parametrize("code, name", [(errno.EPERM, "EPERM"), (errno.ENOSYS, "ENOSYS")])
 def test_require_ring_refuses_the_thread_fallback(make_cfg, code, name):
-    fds, threads = len(os.listdir("/proc/self/fd")), len(os_threads())
+    fds, threads = open_fds(), os_threads()
     with pytest.raises(
         NativeUnavailable,
         match=rf"io_uring is required but unavailable: "
@@ -466,8 +486,8 @@ def test_require_ring_refuses_the_thread_fallback(make_cfg, code, name):
         NativeBackend(make_cfg(), require_ring=True, _setup_errno=code)
     assert isinstance(info.value, OSError) and info.value.errno == code
     assert "kernel.io_uring_disabled=0" in str(info.value)
-    assert settled(fds, lambda: len(os.listdir("/proc/self/fd"))) == fds
-    assert settled(threads, lambda: len(os_threads())) == threads
+    assert leaked(fds, open_fds) == set()
+    assert leaked(threads, os_threads) == set()
     spill = make_cfg().spill_dir
     assert not os.path.exists(spill) or os.listdir(spill) == []
 
@@ -726,9 +746,7 @@ def test_crc32_over_native(native):
 @pytest.mark.parametrize("mode", MODES)
 def test_close_completes_in_flight_ops_and_leaks_nothing(make_cfg, mode):
     gc.collect()
-    fds = len(os.listdir("/proc/self/fd"))
-    py_threads = len(threading.enumerate())
-    threads = len(os_threads())
+    fds, pys, threads = open_fds(), py_threads(), os_threads()
     b = open_native(make_cfg(io_depth=8), mode)
     exts = [b.allocate(256 * KIB) for _ in range(32)]
     datas = [filled(e.length) for e in exts]
@@ -742,16 +760,16 @@ def test_close_completes_in_flight_ops_and_leaks_nothing(make_cfg, mode):
         b.write(exts[0], datas[0])
     del b, futs, reads
     gc.collect()
-    assert settled(fds, lambda: len(os.listdir("/proc/self/fd"))) == fds
-    assert settled(py_threads, lambda: len(threading.enumerate())) == py_threads
-    assert settled(threads, lambda: len(os_threads())) == threads
+    assert leaked(fds, open_fds) == set()
+    assert leaked(pys, py_threads) == set()
+    assert leaked(threads, os_threads) == set()
 
 
 @needs_engine
 @pytest.mark.parametrize("mode", MODES)
 def test_an_unclosed_backend_is_finalised(make_cfg, mode):
     gc.collect()
-    fds, threads = len(os.listdir("/proc/self/fd")), len(os_threads())
+    fds, threads = open_fds(), os_threads()
     b = open_native(make_cfg(io_depth=4), mode)
     ext = b.allocate(4096)
     b.write(ext, filled(4096)).result()
@@ -759,8 +777,8 @@ def test_an_unclosed_backend_is_finalised(make_cfg, mode):
     del b
     gc.collect()
     assert not os.path.exists(spill)
-    assert settled(fds, lambda: len(os.listdir("/proc/self/fd"))) == fds
-    assert settled(threads, lambda: len(os_threads())) == threads
+    assert leaked(fds, open_fds) == set()
+    assert leaked(threads, os_threads) == set()
 
 
 @needs_engine
