@@ -71,14 +71,22 @@ from .selective import compiled
 from .step import StepState
 
 
+def _repeated(mod: nn.Module) -> list[nn.Module]:
+    """The children of a ``ModuleList``/``Sequential`` that share its most common class, when at
+    least two do (a stack of repeated modules); else none."""
+    if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+        return []
+    cls, count = Counter(type(c) for c in mod).most_common(1)[0]
+    return [c for c in mod if type(c) is cls] if count >= 2 else []
+
+
 def detect_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model`` (e.g. transformer layers), else its children."""
     best: list[nn.Module] = []
     for mod in model.modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            cls, count = Counter(type(c) for c in mod).most_common(1)[0]
-            if count >= 2 and count > len(best):
-                best = [c for c in mod if type(c) is cls]
+        stack = _repeated(mod)
+        if len(stack) > len(best):
+            best = stack
     if best:
         return best
     children = list(model.children())
@@ -93,12 +101,9 @@ def one_stack(model: nn.Module, blocks: list[nn.Module]) -> bool:
     inside = {id(m) for b in blocks for m in b.modules()}
     ours = {id(b) for b in blocks}
     for mod in model.modules():
-        if id(mod) in inside or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(mod)
-        if any(id(c) in ours for c in children):
-            continue  # the blocks' own container
-        if len(children) >= 2 and Counter(type(c) for c in children).most_common(1)[0][1] >= 2:
+        if id(mod) in inside or any(id(c) in ours for c in mod.children()):
+            continue  # within a block, or the blocks' own container
+        if _repeated(mod):
             return False
     return True
 
@@ -156,7 +161,9 @@ class GroupTracker:
         self.group_bytes = group_bytes
         self.prev_windows: int | None = None
         self.n_blocks = 0  # blocks of the model given to the last step (0: windows)
-        self.one_stack = False  # that model's blocks are its only stack (one_stack)
+        # That model's blocks are its only stack (one_stack). Kept past end(), as n_blocks is:
+        # adaptive keep's simulation asks kept_from after the step, once ``current`` is gone.
+        self.one_stack = False
         self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
         self.default_action: str | None = None  # blocks not in it; None: from keep_last
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
@@ -189,6 +196,7 @@ class GroupTracker:
         (NOTE [Head under adaptive keep])."""
         return (
             self.adaptive
+            and self.n_blocks > 0  # by block: pack-order windows have no head
             and self.one_stack
             and self.assignment is None
             and self.default_action is None

@@ -684,9 +684,12 @@ def test_adaptive_keeps_simulation_keeps_the_head_at_k0():
     g.n_blocks = 6
     assert g.kept_from(0, 13) == 13 and g.kept_from(1, 13) == 11
     g.adaptive = True
-    assert g.kept_from(0, 13) == 13  # not known to be a single stack: what follows may be one
+    assert g.kept_from(0, 13) == 13  # not a single stack: what follows may be a second one
     g.one_stack = True
     assert g.kept_from(0, 13) == 12 and g.kept_from(1, 13) == 11
+    g.n_blocks = 0  # pack-order windows (blocks lost in a compiled region): no head
+    assert g.kept_from(0, 5) == 5
+    g.n_blocks = 6
     g.assignment = {0: "recompute"}  # auto has chosen: the head follows the last block again
     assert g.kept_from(0, 13) == 13
 
