@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
 import tba  # noqa: E402
+from tba.testing import warm_cpu_math  # noqa: E402
 
 VOCAB, SEQ, BATCH = 32000, 512, 4
 
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.35, help="peak / saved to stay within")
     ap.add_argument("--json", help="write every step's figures here")
     args = ap.parse_args(argv)
+    warm_cpu_math()  # losses are compared bit for bit (NOTE [First-call math])
     model = build_llama(args.layers)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     rows = []

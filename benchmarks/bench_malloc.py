@@ -27,7 +27,8 @@ from _machine import machine_line  # noqa: E402
 
 WORKER = r"""
 import json, sys, tempfile, time, torch, tba
-from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch
+from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch, warm_cpu_math
+warm_cpu_math()  # the losses of all workers are compared bit for bit
 torch.manual_seed(0)
 model = GPT(W1)
 batch = random_batch(W1, int(sys.argv[2]))

@@ -40,7 +40,7 @@ from _ioload import IoLoad  # noqa: E402
 from _machine import machine_line  # noqa: E402
 
 import tba  # noqa: E402
-from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
+from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch, warm_cpu_math  # noqa: E402
 
 
 def one_step(model, batch, mode, off, autocast=None):
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         help="add none+io: no offload under disk traffic at the rates tba moved",
     )
     args = ap.parse_args(argv)
+    warm_cpu_math()  # losses are compared bit for bit (NOTE [First-call math])
     variants: dict[str, dict] = {}
     for b in (b for b in args.backends.split(",") if b):
         variants[f"tba:{b}"] = {"backend": b}

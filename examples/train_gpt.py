@@ -24,7 +24,7 @@ import time
 import torch
 
 import tba
-from tba.testing import GPT, GPTConfig
+from tba.testing import GPT, GPTConfig, warm_cpu_math
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = GPTConfig(vocab=256, seq=256, hidden=256, heads=8, layers=4)
@@ -133,6 +133,7 @@ def main() -> int:
     ap.add_argument("--spill-dir", help="root directory for spill files (TBA_SPILL_DIR)")
     ap.add_argument("--child", choices=("none", "tba"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    warm_cpu_math()  # losses are compared bit for bit (NOTE [First-call math])
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.steps, args.batch)), flush=True)
         return 0

@@ -94,6 +94,35 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# NOTE [First-call math]
+# torch's CPU build routes tanh, exp, log, erf, sin, sqrt and a dozen more elementwise functions
+# through MKL's vector math library (VML), once per OpenMP chunk. In a fresh process, about once
+# in 100 to 250 under CPU load, the worker thread's share of the *first* such call comes back
+# less accurate: measured with torch 2.13 (MKL 2024.2) on this project's 2-core VM, the second
+# half of a 65,536-element torch.tanh differed in 32,749 elements, with relative errors up to
+# 5e-5 against 6e-8 for every later call, which all agreed bit for bit. It is a race in the
+# library's first use on a thread, not in tba. A test that computes its bit-exact reference as
+# the process's first tanh takes that hit, and its gradients then differ from tba's by 1e-10
+# everywhere (test_plan_order's 1F1B test failed so, 2026-11-28). warm_cpu_math() makes each of
+# those first calls once, on the main thread alone and then on every OpenMP thread, before any
+# result is compared.
+_VML_FUNCTIONS = (
+    "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "expm1", "log", "log10",
+    "log1p", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+def warm_cpu_math() -> None:
+    """Make the first call of every VML-backed elementwise function in this process, so that
+    bit-exact comparisons never meet the first call's race (NOTE [First-call math])."""
+    parallel = 32768 * max(2, torch.get_num_threads())  # ATen's grain: one chunk per thread
+    for dtype in (torch.float32, torch.float64):
+        for n in (4096, parallel):  # the main thread alone, then every thread
+            x = torch.linspace(0.1, 0.9, n, dtype=dtype)  # inside every function's domain
+            for name in _VML_FUNCTIONS:
+                getattr(torch, name)(x)
+
+
 def random_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(cfg.vocab, (batch, cfg.seq + 1), generator=g)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tba
+from tba.testing import warm_cpu_math
 
 
 def no_cuda_reason() -> str:
@@ -20,6 +21,10 @@ def no_cuda_reason() -> str:
         f"needs a CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none "
         f"(no GPU or driver{'' if visible is None else f', CUDA_VISIBLE_DEVICES={visible!r}'})"
     )
+
+
+def pytest_configure(config):
+    warm_cpu_math()  # before any bit-exact reference (NOTE [First-call math])
 
 
 def pytest_collection_modifyitems(config, items):

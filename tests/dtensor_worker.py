@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import tba
 from tba.subclass import DTensorHandle
+from tba.testing import warm_cpu_math
 
 
 class MLP(nn.Module):
@@ -86,6 +87,7 @@ def train(kind: str, mesh, off):
 
 
 def main() -> None:
+    warm_cpu_math()  # NOTE [First-call math]
     out_dir, spill = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -34,11 +34,12 @@ def reference(xs, order):
 
 def assert_grads_equal(model, want, steps):
     """Bit-identical gradients; on a mismatch, say which parameters differ and by how much, and
-    what each step read and loaded, so that a rare failure leaves its evidence. The one caught so
-    far (2026-11-28, about 1 in 100 runs with two CPU hogs beside it): every parameter off by at
-    most ~1e-10 against gradients of 1e-6 to 1e-3 (the last layer's bias included), with no sync
-    load or stall and every read checksummed. That is the size of a changed rounding order in
-    some op, not of a wrong saved tensor; its cause is not found."""
+    what each step read and loaded, so that a rare failure leaves its evidence. The one caught
+    (2026-11-28, about 1 in 100 runs with two CPU hogs beside it: every parameter off by at most
+    ~1e-10, no sync load or stall) was the reference's, not tba's: it was the process's first
+    torch.tanh, which MKL's vector math computes less accurately on the OpenMP worker's half, now
+    and then, on first use (NOTE [First-call math] in tba/testing.py). conftest.py makes those
+    first calls before any test."""
     got = [p.grad for p in model.parameters()]
     if all(map(torch.equal, got, want)):
         return

@@ -23,11 +23,13 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, repo)
     import torch
     import tba
+    from tba.testing import warm_cpu_math
     from tests.faults.util import config, grads, make_batch, make_model, train_step
 
     # The interpreter may live where nobody cannot read (here: under /root, 0700), so every
     # module is loaded first, by one step as root in a directory of its own; then the
     # process drops to nobody, before the Offloader under test exists.
+    warm_cpu_math()  # NOTE [First-call math]
     model = make_model()
     small, large = make_batch(0.25), make_batch(1)  # 2 MiB, then 8 MiB: a new slab
     with tba.Offloader(config(warmup)) as off:

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tba
 import tba.integrations
-from tba.testing import GPT, GPTConfig
+from tba.testing import GPT, GPTConfig, warm_cpu_math
 
 CFG = GPTConfig(vocab=64, seq=32, hidden=64, heads=4, layers=3)
 STEPS = 3
@@ -107,6 +107,7 @@ def policies(rank: int, out_dir: str, spill_root: str, names: list[str]) -> None
 
 
 def main() -> None:
+    warm_cpu_math()  # NOTE [First-call math]
     out_dir, spill_root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

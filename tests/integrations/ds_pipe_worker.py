@@ -21,6 +21,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from tba.testing import warm_cpu_math  # noqa: E402
 from tests.integrations._frameworks import deepspeed_cpu  # noqa: E402
 
 H, ROWS, MICRO, STEPS = 64, 256, 4, 4
@@ -74,6 +75,7 @@ def train(init, ds_config: dict, steps: list | None = None) -> tuple[list, list,
 
 
 def main() -> None:
+    warm_cpu_math()  # NOTE [First-call math]
     out_dir, spill = sys.argv[1], sys.argv[2]
     import deepspeed
     from deepspeed.runtime.pipe import schedule

@@ -25,7 +25,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tba.testing import megatron_on_cpu  # noqa: E402
+from tba.testing import megatron_on_cpu, warm_cpu_math  # noqa: E402
 
 SEQ, VOCAB, MB, ITERS = 16, 64, 2, 2
 MODES = {  # mode: (tp, pp, vp, micro-batches, layers)
@@ -176,6 +176,7 @@ def train_with_tba(mode: str, spill: str) -> tuple[list, list, list, set]:
 
 
 def main() -> None:
+    warm_cpu_math()  # NOTE [First-call math]
     from megatron.core import parallel_state as ps
 
     out_dir, spill = sys.argv[1], sys.argv[2]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tba.testing import GPT, GPTConfig  # noqa: E402
+from tba.testing import GPT, GPTConfig, warm_cpu_math  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=32, hidden=64, heads=4, layers=2)
 STEPS = 3
@@ -119,6 +119,7 @@ def fsdp2(rank: int, spill: str, use_tba: bool, totals: dict):
 
 
 def main() -> None:
+    warm_cpu_math()  # NOTE [First-call math]
     out_dir, spill = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

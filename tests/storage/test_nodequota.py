@@ -194,7 +194,8 @@ def test_a_sigkilled_process_holds_no_budget(make_cfg, tmp_path):
 RANK = textwrap.dedent(
     """
     import json, sys, torch, tba
-    from tba.testing import GPT, GPTConfig, random_batch
+    from tba.testing import GPT, GPTConfig, random_batch, warm_cpu_math
+    warm_cpu_math()  # NOTE [First-call math]
     cfg = GPTConfig(vocab=64, seq=64, hidden=64, heads=4, layers=4)
     torch.manual_seed(0)
     model = GPT(cfg)
