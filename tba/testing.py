@@ -96,16 +96,18 @@ class GPT(nn.Module):
 
 # NOTE [First-call math]
 # torch's CPU build routes tanh, exp, log, erf, sin, sqrt and a dozen more elementwise functions
-# through MKL's vector math library (VML), once per OpenMP chunk. In a fresh process, about once
-# in 100 to 250 under CPU load, the worker thread's share of the *first* such call comes back
-# less accurate: measured with torch 2.13 (MKL 2024.2) on this project's 2-core VM, the second
-# half of a 65,536-element torch.tanh differed in 32,749 elements, with relative errors up to
-# 5e-5 against 6e-8 for every later call, which all agreed bit for bit. It is a race in the
-# library's first use on a thread, not in tba. A test that computes its bit-exact reference as
-# the process's first tanh takes that hit, and its gradients then differ from tba's by 1e-10
-# everywhere (test_plan_order's 1F1B test failed so, 2026-11-28). warm_cpu_math() makes each of
-# those first calls once, on the main thread alone and then on every OpenMP thread, before any
-# result is compared.
+# through MKL's vector math library (VML), once per OpenMP chunk. In a fresh process under CPU
+# load (about once in 50 to 250 processes, in probes beside two busy-looping processes), the
+# worker thread's share of the *first* such call comes back less accurate. Measured with torch
+# 2.13 (MKL 2024.2) on this project's 2-core VM: the second half of a 65,536-element torch.tanh
+# differed in 32,749 elements, with relative errors up to 5e-5 against 6e-8 for every later
+# call, which all agreed bit for bit. It looks like a race in the library's first use (only
+# under load, only the worker's half), not in tba; whether a new thread's first call can meet
+# it again after the process's first was not tested. A test that computes its bit-exact
+# reference as the process's first tanh takes that hit, and its gradients then differ from
+# tba's by 1e-10 everywhere (test_plan_order's 1F1B test failed so, 2026-11-28).
+# warm_cpu_math() makes each of those first calls once, on the main thread alone and then on
+# every OpenMP thread, before any result is compared.
 _VML_FUNCTIONS = (
     "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "expm1", "log", "log10",
     "log1p", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
