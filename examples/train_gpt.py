@@ -133,8 +133,8 @@ def main() -> int:
     ap.add_argument("--spill-dir", help="root directory for spill files (TBA_SPILL_DIR)")
     ap.add_argument("--child", choices=("none", "tba"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    warm_cpu_math()  # losses are compared bit for bit (NOTE [First-call math])
-    if args.child:
+    if args.child:  # each child computes; the parent compares their losses bit for bit
+        warm_cpu_math()  # NOTE [First-call math]
         print("RESULT " + json.dumps(child(args.child, args.steps, args.batch)), flush=True)
         return 0
 

@@ -260,10 +260,7 @@ def _stopped(pid: int) -> bool:
     """Every thread of ``pid`` is stopped (so its open files cannot change)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-        states = []
-        for t in tasks:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        states = [_state(f"/proc/{pid}/task/{t}/stat") for t in tasks]
     except OSError:
         return True  # gone
     return all(s in "tTZX" for s in states)
@@ -310,7 +307,7 @@ def test_freezing_continues_a_rank_when_the_other_is_reaped_meanwhile(monkeypatc
     late = subprocess.Popen(["sleep", "30"])
     procs = [(p.pid, os.pidfd_open(p.pid)) for p in (early, late)]
     try:
-        while _state(early.pid) != "Z":
+        while _state(f"/proc/{early.pid}/stat") != "Z":
             time.sleep(0.001)  # exited, not reaped: the stop still reaches it
         real = _stopped
 
@@ -320,7 +317,7 @@ def test_freezing_continues_a_rank_when_the_other_is_reaped_meanwhile(monkeypatc
 
         monkeypatch.setattr(sys.modules[__name__], "_stopped", stopped_then_reaped)
         _frozen_disk_bytes(procs, "/nonexistent")
-        assert _state(late.pid) != "T"
+        assert _state(f"/proc/{late.pid}/stat") != "T"
     finally:
         late.kill()
         late.wait()
@@ -328,8 +325,9 @@ def test_freezing_continues_a_rank_when_the_other_is_reaped_meanwhile(monkeypatc
             os.close(fd)
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
+def _state(stat_path: str) -> str:
+    """The state letter of a /proc stat file (R, S, T, Z, ...)."""
+    with open(stat_path) as f:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
