@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _machine import machine_line  # noqa: E402
+from _stats import ratio_interval  # noqa: E402
 
 import tba  # noqa: E402
 from tba.testing import warm_cpu_math  # noqa: E402
@@ -64,19 +64,6 @@ def one_step(model, ids, off):
             loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return time.perf_counter() - t0, loss.item()
-
-
-def ratio_interval(pairs, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """5th and 95th percentiles of median(tba) / median(none) over ``rounds`` resamples of the
-    (none, tba) step pairs, drawn with replacement: how far the headline ratio moves with the
-    machine's noise (a step's time here varies by 10% or more with identical work)."""
-    rng = random.Random(seed)
-    got = []
-    for _ in range(rounds):
-        draw = [rng.choice(pairs) for _ in pairs]
-        got.append(statistics.median(t for _, t in draw) / statistics.median(n for n, _ in draw))
-    got.sort()
-    return got[int(0.05 * rounds)], got[int(0.95 * rounds) - 1]
 
 
 def main(argv=None) -> int:

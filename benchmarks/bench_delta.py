@@ -28,7 +28,11 @@ Picking the fastest of the three confirmed medians is itself a selection, which 
 best by about one standard error of a median (on W1 at 20 MB/s the candidates are predicted
 within 1% of each other, so which one measures fastest is mostly noise). So the best assignment
 is picked on the odd confirmation rounds, and auto / best is judged on the even ones (held out);
-the ratio on all rounds to the fastest confirmed median is printed beside it.
+the ratio on all rounds to the fastest confirmed median is printed beside it. Each round starts
+one mode later than the one before, so that no mode always runs right after the same other
+one. Beside auto / min(offload-all, checkpoint) and the held-out auto / best, a 90% bootstrap
+interval (rounds resampled, each round's two steps kept together) says how far the ratio moves
+with this machine's noise.
 
 The budget is ``--budget`` (0.35) of ``saved_bytes`` (a keep step's). Memory is tba's
 ``peak_with_recompute_bytes``: what tba holds (kept, staging, read-back) and, while backward
@@ -62,6 +66,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _machine import dump_json, machine_line  # noqa: E402
+from _stats import ratio_interval  # noqa: E402
 
 import tba  # noqa: E402
 from tba.autopolicy import PolicyController  # noqa: E402
@@ -171,7 +176,8 @@ def run_cap(args, cap, model, batch, spill, rng):
     met = {m: p <= args.budget for m, p in peak.items()}
     ok = [m for m in modes if m.startswith("A:") and met.get(m)]
     best = min(ok, key=med.get) if ok else None
-    pure = min(med["offload-all"], med["checkpoint"])
+    rival = min(("offload-all", "checkpoint"), key=med.get)  # the better of the two
+    pure = med[rival]
     over_best = med["auto"] / med[best] if best else None
     held = held_out(times, ok) if args.confirm_repeats >= 2 else None
     judged = held["auto_over_best"] if held else over_best
@@ -198,6 +204,8 @@ def run_cap(args, cap, model, batch, spill, rng):
         "auto_actions_per_round": [r["actions"] for r in rounds],
         "auto_rounds": rounds,
         "auto_over_best_pure": med["auto"] / pure,
+        "best_pure": rival,
+        "auto_over_best_pure_interval": ratio_interval(list(zip(times[rival], times["auto"]))),
         "auto_over_default": med["auto"] / med["offload"],
         "best_assignment": best,
         "auto_over_best_assignment": over_best,  # to the fastest of the confirmed medians
@@ -218,18 +226,21 @@ def held_out(times, ok) -> dict | None:
         "auto_seconds": judge["auto"],
         "best_seconds": judge[best],
         "auto_over_best": judge["auto"] / judge[best],
+        "interval": ratio_interval(list(zip(times[best][1::2], times["auto"][1::2]))),
         "rounds": len(times["auto"][1::2]),
     }
 
 
 def rounds_of(modes, rounds, warmup, what, model, batch, offs, forced):
-    """``rounds`` interleaved rounds (one step of each mode in turn) after ``warmup`` unmeasured
-    ones: step seconds and peaks per mode, and auto's actions per measured round."""
+    """``rounds`` interleaved rounds (one step of each mode in turn, the order rotated by one
+    mode each round) after ``warmup`` unmeasured ones: step seconds and peaks per mode (in
+    round order), and auto's actions per measured round."""
     times = {m: [] for m in modes}
     peaks = {m: [] for m in modes}
     autos = []
     for rnd in range(warmup + rounds):
-        for m in modes:
+        turn = rnd % len(modes)  # each round starts one mode later: no mode always follows another
+        for m in modes[turn:] + modes[:turn]:
             if m in ("none", "checkpoint"):
                 dt, st = one_step(model, batch, None, checkpoint=m == "checkpoint")
             elif m.startswith("A:"):
@@ -397,7 +408,11 @@ def main(argv=None) -> int:
             for r in res["auto_rounds"]
         )
         print(f"  auto chose {res['auto_actions']} (per round, peak/saved: {per})")
-        print(f"  auto / min(offload-all, checkpoint): {res['auto_over_best_pure']:.3f}")
+        lo, hi = res["auto_over_best_pure_interval"]
+        print(
+            f"  auto / min(offload-all, checkpoint) ({res['best_pure']}): "
+            f"{res['auto_over_best_pure']:.3f} (90% interval {lo:.3f}-{hi:.3f})"
+        )
         print(f"  auto / offload (the default): {res['auto_over_default']:.3f}")
         if res["best_assignment"]:
             print(
@@ -408,7 +423,8 @@ def main(argv=None) -> int:
             h = res["held_out"]
             print(
                 f"  auto / best assignment ({h['best_assignment']}, picked on the odd rounds, "
-                f"judged on the {h['rounds']} even ones): {h['auto_over_best']:.3f}"
+                f"judged on the {h['rounds']} even ones): {h['auto_over_best']:.3f} "
+                f"(90% interval {h['interval'][0]:.3f}-{h['interval'][1]:.3f})"
             )
         for what, ok in res["checks"].items():
             print(f"  {'PASS' if ok else 'FAIL'}: {what}")
