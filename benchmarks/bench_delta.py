@@ -196,6 +196,7 @@ def run_cap(args, cap, model, batch, spill, rng):
         "assignments_run": len(assigns),
         "sampled": sampled,
         "median_seconds": med,
+        "seconds_per_round": times,  # the rounds the medians come from, in round order
         "screening_median_seconds": screened,
         "confirmed": top if args.confirm_repeats else [],
         "peak_over_saved": peak,
