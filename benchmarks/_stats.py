@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
@@ -18,3 +19,13 @@ def ratio_interval(pairs, rounds: int = 2000, seed: int = 0) -> tuple[float, flo
         got.append(statistics.median(x for _, x in draw) / statistics.median(b for b, _ in draw))
     got.sort()
     return got[int(0.05 * rounds)], got[int(0.95 * rounds) - 1]
+
+
+def paired_ratio(pairs) -> tuple[float, float]:
+    """The geometric mean of x / base over the (base, x) pairs, and its standard error as a
+    share (0.02: ±2%; 0.0 with fewer than two pairs). Each pair's drift cancels in its own
+    ratio, so this resolves a small difference with fewer rounds than a ratio of medians, at the
+    price of feeling an outlying round more."""
+    logs = [math.log(x / b) for b, x in pairs]
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(statistics.fmean(logs)), se

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _machine import machine_line  # noqa: E402
-from _stats import ratio_interval  # noqa: E402
+from _stats import paired_ratio, ratio_interval  # noqa: E402
 
 import tba  # noqa: E402
 from tba.testing import warm_cpu_math  # noqa: E402
@@ -123,9 +123,11 @@ def main(argv=None) -> int:
     pairs = [(r["none_seconds"], r["tba_seconds"]) for r in timed]
     lo, hi = ratio_interval(pairs)
     paired = statistics.median(t / n for n, t in pairs)
+    gm, se = paired_ratio(pairs)
     print(
         f"spread: median of the per-step ratios {paired:.3f}; 90% bootstrap interval of the "
-        f"ratio of medians [{lo:.3f}, {hi:.3f}] (steps resampled in pairs)"
+        f"ratio of medians [{lo:.3f}, {hi:.3f}] (steps resampled in pairs); geometric mean of "
+        f"the per-step ratios {gm:.3f} ± {se:.3f}"
     )
     if late:
         ok = max(late) <= args.target

@@ -650,9 +650,18 @@ static int64_t hold_due(struct tba_engine *e)
             now = now_ns();
         bucket_fill(b, now);
         uint64_t n = e->pend_head[d]->len;
-        if (b->tokens + TOKEN_SLACK >= (double)n)
+        int64_t when;
+        if (b->tokens + TOKEN_SLACK < (double)n)
+            when = bucket_due(b, n, now);
+        else if (e->inflight >= e->depth)
             continue; /* paid for, and waiting for a ring slot: a completion frees one */
-        int64_t when = bucket_due(b, n, now);
+        else
+            /* Paid for since sq_refill refused it: the tokens accrued between its clock reading
+             * and this one (a preempted reaper, at 200 MB/s 1 ms is 200 KB). Nothing in flight
+             * may wake the reaper, so it must come back now: skipping the head here left it
+             * queued for good (a hang seen at 200 MB/s, with the head paid for and nothing in
+             * flight). */
+            when = now;
         if (when < due)
             due = when;
     }
