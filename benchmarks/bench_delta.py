@@ -32,8 +32,9 @@ the ratio on all rounds to the fastest confirmed median is printed beside it. Ea
 one mode later than the one before, so that no mode always runs right after the same other
 one. Beside auto / min(offload-all, checkpoint) and the held-out auto / best, a 90% bootstrap
 interval (rounds resampled, each round's two steps kept together) says how far the ratio moves
-with this machine's noise; with few rounds it is too narrow (a percentile bootstrap of a median),
-so the geometric mean of the per-round ratios and its standard error are printed too.
+with this machine's noise. With few rounds that interval can be too narrow (a percentile
+bootstrap of a median), so the geometric mean of the per-round ratios and its standard error
+are printed too.
 
 The budget is ``--budget`` (0.35) of ``saved_bytes`` (a keep step's). Memory is tba's
 ``peak_with_recompute_bytes``: what tba holds (kept, staging, read-back) and, while backward
