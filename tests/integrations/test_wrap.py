@@ -84,6 +84,7 @@ def test_no_grad_forward_and_an_open_step_are_left_alone(tmp_path):
         with off.step(model):  # the caller's own step wins; the wrapper does not nest one
             loss = model(x, x)
         loss.backward()
+        off.synchronize()  # writes are counted once they land (NOTE [Counted once])
         assert off._steps == 1 and off.stats()["tensors_offloaded"] > 0
         # wrapping again replaces the wrapper (one step per forward, not two)
         tba.integrations.wrap(model, off)
