@@ -302,6 +302,7 @@ struct tba_engine {
     uint64_t next_seq;
     struct bucket bucket[2];    /* indexed by TBA_OP_READ / TBA_OP_WRITE */
     int64_t reap_timer;         /* io_uring: the reaper sleeps at most until then (NO_TIME) */
+    int64_t clock_jump, clock_ahead, clock_jumps; /* TBA_INJECT_CLOCK: see clock_now */
     int64_t worker_timer;       /* threads: an idle worker wakes up then (NO_TIME: none does) */
     struct op *done_head, *done_tail; /* finished, not yet reaped */
 
@@ -391,6 +392,20 @@ static int64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The engine's clock: CLOCK_MONOTONIC, plus what TBA_INJECT_CLOCK added. A test makes each
+ * reading jump ahead so that tokens accrue between two readings that are microseconds apart
+ * for real (how the hang fixed in hold_due struck). Any thread, lock held or not. */
+static int64_t clock_now(struct tba_engine *e)
+{
+    int64_t t = now_ns();
+    if (__atomic_load_n(&e->clock_jumps, __ATOMIC_ACQUIRE) > 0
+        && __atomic_sub_fetch(&e->clock_jumps, 1, __ATOMIC_ACQUIRE) >= 0) {
+        int64_t jump = __atomic_load_n(&e->clock_jump, __ATOMIC_RELAXED);
+        return t + __atomic_add_fetch(&e->clock_ahead, jump, __ATOMIC_RELAXED);
+    }
+    return t + __atomic_load_n(&e->clock_ahead, __ATOMIC_RELAXED);
 }
 
 static struct timespec ns_to_timespec(int64_t ns)
@@ -622,7 +637,7 @@ static struct op *pend_next(struct tba_engine *e, int64_t *due)
         if (!op->admitted && b->rate && !e->shutdown) {
             int64_t when = NO_TIME;
             if (!now)
-                now = now_ns();
+                now = clock_now(e);
             if (!bucket_take(b, op->len, op->next ? op->next->len : 0, now, &when)) {
                 if (when < *due)
                     *due = when;
@@ -647,7 +662,7 @@ static int64_t hold_due(struct tba_engine *e)
         if (!b->rate || !b->held || !e->pend_head[d])
             continue;
         if (!now)
-            now = now_ns();
+            now = clock_now(e);
         bucket_fill(b, now);
         uint64_t n = e->pend_head[d]->len;
         int64_t when;
@@ -967,7 +982,7 @@ static int sq_refill(struct tba_engine *e)
 
 static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, int timeout_ms)
 {
-    int64_t deadline = timeout_ms > 0 ? now_ns() + (int64_t)timeout_ms * 1000000 : NO_TIME;
+    int64_t deadline = timeout_ms > 0 ? clock_now(e) + (int64_t)timeout_ms * 1000000 : NO_TIME;
     for (;;) {
         int n = 0, finished = 0;
         struct op *retry = NULL, *retry_tail = NULL, *gone = NULL;
@@ -1041,7 +1056,7 @@ static int ring_reap(struct tba_engine *e, struct tba_completion *out, int max, 
         }
         if (__atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE) != head)
             continue;
-        int64_t now = now_ns();
+        int64_t now = clock_now(e);
         if (deadline != NO_TIME && deadline <= now)
             return 0;
         int64_t until = deadline;
@@ -1214,7 +1229,7 @@ static void *worker(void *arg)
             if (e->stop && !pend_any(e))
                 break; /* stop, and nothing left */
             if (due != NO_TIME && due < e->worker_timer) {
-                int64_t now = now_ns();
+                int64_t now = clock_now(e);
                 if (due < now + QUANTUM_NS)
                     due = now + QUANTUM_NS; /* release in batches, not one wake-up per op */
                 e->worker_timer = due;
@@ -1422,7 +1437,7 @@ int tba_engine_info(struct tba_engine *e, struct tba_engine_info *info)
     info->threads = e->nthreads;
     info->buffer_bytes = e->buffer_bytes;
     info->outstanding = e->outstanding;
-    int64_t now = now_ns();
+    int64_t now = clock_now(e);
     for (int d = 0; d < 2; d++) {
         const struct bucket *b = &e->bucket[d];
         uint64_t throttled = b->throttled_ns;
@@ -1640,7 +1655,7 @@ static int raise_flag(struct tba_engine *e, int *flag)
     pthread_mutex_lock(&e->lock);
     *flag = 1;
     if (flag == &e->shutdown) {
-        int64_t now = now_ns();
+        int64_t now = clock_now(e);
         bucket_unhold(&e->bucket[TBA_OP_READ], now);
         bucket_unhold(&e->bucket[TBA_OP_WRITE], now);
     }
@@ -1659,7 +1674,7 @@ int tba_engine_set_rate(struct tba_engine *e, int code, uint64_t rate, uint64_t 
         return -ECHILD; /* releasing ops would touch the parent's ring */
     pthread_mutex_lock(&e->lock);
     struct bucket *b = &e->bucket[code];
-    int64_t now = now_ns();
+    int64_t now = clock_now(e);
     if (b->rate)
         bucket_fill(b, now); /* what accrued so far accrued at the old rate */
     if (!rate) {
@@ -1697,9 +1712,16 @@ int tba_engine_wake(struct tba_engine *e)
 
 int tba_engine_inject(struct tba_engine *e, int code, int kind, int64_t value, int count)
 {
-    if (!e || code < 0 || code >= N_RULE_OPS || kind < TBA_INJECT_CLEAR || kind > TBA_INJECT_FAIL)
+    if (!e || code < 0 || code >= N_RULE_OPS || kind < TBA_INJECT_CLEAR || kind > TBA_INJECT_CLOCK)
         return -EINVAL;
     int is_io = code == TBA_OP_READ || code == TBA_OP_WRITE;
+    if (kind == TBA_INJECT_CLOCK) {
+        if (!is_io || count < 0 || value < 0)
+            return -EINVAL;
+        __atomic_store_n(&e->clock_jump, value, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->clock_jumps, (int64_t)count, __ATOMIC_RELEASE);
+        return 0;
+    }
     if (kind != TBA_INJECT_CLEAR && (count < 1 || value < 0 || (!is_io && kind != TBA_INJECT_FAIL)))
         return -EINVAL;
     pthread_mutex_lock(&e->lock);

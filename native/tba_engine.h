@@ -42,7 +42,7 @@
 extern "C" {
 #endif
 
-#define TBA_ENGINE_ABI 2
+#define TBA_ENGINE_ABI 3
 
 /* Operations, for tba_engine_submit (READ, WRITE) and tba_engine_inject (all four). */
 enum tba_op {
@@ -58,6 +58,11 @@ enum tba_inject_kind {
     TBA_INJECT_SHORT = 1, /* submit at most `value` bytes (rounded up to the op's unit), and
                              report at most `value` bytes done: the real resubmission runs */
     TBA_INJECT_FAIL = 2,  /* the attempt completes with -value (a NOP goes through the ring) */
+    TBA_INJECT_CLOCK = 3, /* engine-wide (op READ or WRITE): each of the engine's next `count`
+                             clock readings lands `value` ns later than the real clock says,
+                             on top of the jumps before it (the clock never goes back). For the
+                             caps' timing in io_uring mode; threads mode's timed waits would
+                             wait the jumps out in real time (ABI 3) */
 };
 
 enum tba_kind {
@@ -194,7 +199,8 @@ int tba_engine_wake(struct tba_engine *eng);
 
 /* Tests only: the next `count` attempts of `op` (a resubmission is an attempt too) follow
  * `kind` with `value` (bytes for SHORT, an errno for FAIL). Rules queue up in order (at most
- * 8 per op). -ENOSPC when the queue is full. */
+ * 8 per op). -ENOSPC when the queue is full. CLOCK is no rule: it moves the engine's clock
+ * (see tba_inject_kind) and replaces a CLOCK set before. */
 int tba_engine_inject(struct tba_engine *eng, int op, int kind, int64_t value, int count);
 
 /* Refuses new ops, lifts the bandwidth caps (ops waiting for tokens go at once) and wakes the

@@ -21,10 +21,10 @@ from typing import Any
 from ..config import format_size
 from ..errors import TBAError
 
-_ABI = 2
+_ABI = 3
 _READ, _WRITE = 0, 1
 _OPS = {"read": 0, "write": 1, "register": 2, "files": 3}
-_KINDS = {"clear": 0, "short": 1, "fail": 2}
+_KINDS = {"clear": 0, "short": 1, "fail": 2, "clock": 3}
 _IO_URING, _THREADS = 1, 2
 _STAGES = {
     1: "io_uring_setup",

@@ -254,16 +254,30 @@ class NativeBackend(SlabBackend):
         return True
 
     def inject(
-        self, op: str, kind: str, count: int = 1, errno: int = 0, nbytes: int | None = None
+        self,
+        op: str,
+        kind: str,
+        count: int = 1,
+        errno: int = 0,
+        nbytes: int | None = None,
+        jump_ns: int = 0,
     ) -> None:
         """Tests: the next ``count`` attempts of ``op`` ("read", "write", "register", "files")
         go ``kind``: "short" (at most ``nbytes``, default one alignment unit, then the engine
-        resubmits the rest), "fail" (with ``errno``), or "clear" (drop pending rules)."""
+        resubmits the rest), "fail" (with ``errno``), or "clear" (drop pending rules).
+        "clock" (op "read" or "write", either: it is the engine's one clock) makes each of the
+        engine's next ``count`` clock readings land ``jump_ns`` later than the one before would
+        have, for the caps' timing in io_uring mode (TBA_INJECT_CLOCK in native/tba_engine.h)."""
         if op not in _OPS or kind not in _KINDS:
             raise ValueError(f"tba.storage: inject({op!r}, {kind!r}): unknown op or kind")
         if kind == "fail" and errno <= 0:
             raise ValueError("tba.storage: inject(..., 'fail') needs errno > 0")
-        value = errno if kind == "fail" else (self.alignment if nbytes is None else nbytes)
+        if kind == "clock":
+            value = jump_ns
+        elif kind == "fail":
+            value = errno
+        else:
+            value = self.alignment if nbytes is None else nbytes
         rc = self._engine.call("tba_engine_inject", _OPS[op], _KINDS[kind], value, count)
         if rc < 0:
             raise ValueError(f"tba.storage: inject refused: {_name(-rc)}")

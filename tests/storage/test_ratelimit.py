@@ -480,6 +480,27 @@ def test_a_held_op_is_released_by_time_alone(open_capped, mode):
     assert 0.97 * expected < time.monotonic() - t0 < expected + 0.15
 
 
+@pytest.mark.skipif(not STATUS["io_uring"], reason=f"needs io_uring: {STATUS['io_uring_reason']}")
+def test_a_head_paid_for_between_two_clock_readings_is_still_submitted(open_capped):
+    """The hang fixed in hold_due (native/tba_engine.c), made to happen on demand. submit()
+    reads the clock twice: sq_refill refuses the head for want of tokens, then hold_due asks
+    when the reaper must come back for it. Tokens that accrue between the two readings (a
+    preempted thread, for real; here each reading of the engine's clock jumps 4 s ahead) leave
+    the head paid for with nothing in flight and no completion to come. hold_due once skipped
+    it as "waiting for a ring slot": the reaper slept with no timer and the read never ended."""
+    b = open_capped("native", max_read_bps=8 * MB)
+    ext = b.allocate(2 * MIB)
+    data = quick_filled(2 * MIB)
+    b.write(ext, data).result(timeout=5)
+    b.set_rate("read", 8 * MB, burst=64 * KIB)  # a full bucket cannot pay for the head
+    time.sleep(0.1)  # the reaper is back asleep: nothing in flight, no timer
+    b.inject("read", "clock", count=100, jump_ns=4 * 10**9)  # 32 MB of tokens a reading
+    back = empty(2 * MIB)
+    b.read(ext, back).result(timeout=5)  # TimeoutError before the fix
+    assert bytes(back) == bytes(data)
+    assert b.usage()["throttle_seconds_read"] > 0  # the first reading did refuse the head
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_set_rate_rejects_nonsense(open_capped, mode):
     b = open_capped(mode)
