@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ class IOSink(Protocol):
 
 class IO:
     """The shared I/O state of one Offloader. Methods marked "lock held" expect :attr:`lock`."""
+
+    slow_io_s = 60.0  # seconds a wait on I/O lasts before :meth:`wait` logs it
 
     def __init__(
         self,
@@ -195,7 +198,31 @@ class IO:
                 pending = list(self.pending)
             if not pending:
                 return
-            wait_futures(pending)
+            self.wait(pending, f"for {len(pending)} writes and reads in flight")
+
+    def wait(self, futures: list[Future], what: str) -> None:
+        """Waits for every one of ``futures`` (lock not held). After :attr:`slow_io_s` without
+        the last, and each time the wait has doubled since, it logs what it waits ``what`` for
+        and on which backend: a run that hangs on I/O says so, rather than go quiet for good."""
+        limit, waited = self.slow_io_s, 0.0
+        while wait_futures(futures, timeout=limit).not_done:
+            waited += limit
+            limit = waited
+            b = self.backend
+            u = b.usage()
+            log.warning(
+                "tba: waited %.0f s %s (backend %s; %s; caps held writes %.0f s and reads "
+                "%.0f s so far); still waiting. A capped or very slow disk can take this long; "
+                "I/O that never ends is a bug: please report it with a stack dump of this "
+                "process (py-spy dump --pid %d).",
+                waited,
+                what,
+                b.name,
+                b.reason,
+                u.get("throttle_seconds_write", 0.0),
+                u.get("throttle_seconds_read", 0.0),
+                os.getpid(),
+            )
 
     def capture_executor(self) -> ThreadPoolExecutor:
         """The thread that waits for device captures before their writes start."""

@@ -13,11 +13,11 @@ from __future__ import annotations
 import errno
 import logging
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 
 import torch
 
 from .coalesce import Batch
+from .config import format_size
 from .derived import Derived
 from .entry import CAPTURE, DEAD, ON_DISK, Entry
 from .errors import StorageError, internal_error
@@ -104,7 +104,7 @@ class Reader:
             lock.release()
             t0 = io.clock()
             try:
-                wait_futures([fut])
+                io.wait([fut], f"to read back a saved tensor of {format_size(e.nbytes)}")
             finally:
                 waited += io.clock() - t0
                 lock.acquire()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import logging
 import threading
 
 import pytest
@@ -108,6 +109,33 @@ def test_the_stall_is_read_from_the_clock(core):
     _, before, after, *_ = c.clock.of(me)[n:]
     assert st.stall_seconds == pytest.approx(after - before) and after - before >= TICK
     assert hs[0].entry.stat.stall_seconds == st.stall_seconds
+
+
+def test_a_read_that_does_not_end_is_logged_while_unpack_waits(core, caplog, monkeypatch):
+    c = core(lambda cfg: GatedBackend(cfg, ("read",)))
+    monkeypatch.setattr(c.io, "slow_io_s", 0.05)
+    st, hs, want = packed(c, n=1, settle=False)  # its read is held at the gate
+    threading.Timer(0.5, c.backend.open).start()
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        got = c.unpack(hs[0])
+    assert torch.equal(got, want[0])  # it kept waiting, and the bytes are the right ones
+    said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    # logged after 0.05, 0.1, 0.2 and 0.4 s: each wait doubles the last
+    assert 2 <= len(said) <= 6, said
+    assert "s to read back a saved tensor of 16.0 KiB (backend memory; " in said[0], said
+    assert "caps held writes 0 s and reads 0 s" in said[0] and "py-spy dump --pid" in said[0]
+
+
+def test_a_drain_that_waits_long_is_logged_too(core, caplog, monkeypatch):
+    c = core(lambda cfg: GatedBackend(cfg, ("write",)))
+    monkeypatch.setattr(c.io, "slow_io_s", 0.05)
+    st, hs, want = packed(c, n=2, settle=False)  # both writes held at the gate
+    threading.Timer(0.3, c.backend.open).start()
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        c.settle()  # what synchronize() and close() wait with
+    said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert said and "s for 2 writes and reads in flight (backend memory; " in said[0], said
+    assert all(map(torch.equal, [c.unpack(h) for h in reversed(hs)], reversed(want)))
 
 
 def test_a_failed_read_raises_on_every_unpack(core):
