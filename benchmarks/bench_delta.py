@@ -180,6 +180,7 @@ def run_cap(args, cap, model, batch, spill, rng):
     best = min(ok, key=med.get) if ok else None
     rival = min(("offload-all", "checkpoint"), key=med.get)  # the better of the two
     pure = med[rival]
+    pure_pairs = list(zip(times[rival], times["auto"]))
     over_best = med["auto"] / med[best] if best else None
     held = held_out(times, ok) if args.confirm_repeats >= 2 else None
     judged = held["auto_over_best"] if held else over_best
@@ -208,8 +209,8 @@ def run_cap(args, cap, model, batch, spill, rng):
         "auto_rounds": rounds,
         "auto_over_best_pure": med["auto"] / pure,
         "best_pure": rival,
-        "auto_over_best_pure_interval": ratio_interval(list(zip(times[rival], times["auto"]))),
-        "auto_over_best_pure_paired": paired_ratio(list(zip(times[rival], times["auto"]))),
+        "auto_over_best_pure_interval": ratio_interval(pure_pairs),
+        "auto_over_best_pure_paired": paired_ratio(pure_pairs),
         "auto_over_default": med["auto"] / med["offload"],
         "best_assignment": best,
         "auto_over_best_assignment": over_best,  # to the fastest of the confirmed medians
@@ -225,13 +226,14 @@ def held_out(times, ok) -> dict | None:
         return None
     best = min(ok, key=lambda m: statistics.median(times[m][0::2]))
     judge = {m: statistics.median(times[m][1::2]) for m in (best, "auto")}
+    pairs = list(zip(times[best][1::2], times["auto"][1::2]))
     return {
         "best_assignment": best,
         "auto_seconds": judge["auto"],
         "best_seconds": judge[best],
         "auto_over_best": judge["auto"] / judge[best],
-        "interval": ratio_interval(list(zip(times[best][1::2], times["auto"][1::2]))),
-        "paired": paired_ratio(list(zip(times[best][1::2], times["auto"][1::2]))),
+        "interval": ratio_interval(pairs),
+        "paired": paired_ratio(pairs),
         "rounds": len(times["auto"][1::2]),
     }
 
