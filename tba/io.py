@@ -201,9 +201,9 @@ class IO:
             self.wait(pending, f"for {len(pending)} writes and reads in flight")
 
     def wait(self, futures: list[Future], what: str) -> None:
-        """Waits for every one of ``futures`` (lock not held). After :attr:`slow_io_s` without
-        the last, and each time the wait has doubled since, it logs what it waits ``what`` for
-        and on which backend: a run that hangs on I/O says so, rather than go quiet for good."""
+        """Waits for every one of ``futures`` (lock not held). Once it has waited
+        :attr:`slow_io_s`, and again each time the wait doubles, it logs ``what`` it waits for
+        and on which backend: a run that hangs on I/O says so rather than go quiet for good."""
         limit, waited = self.slow_io_s, 0.0
         while wait_futures(futures, timeout=limit).not_done:
             waited += limit
