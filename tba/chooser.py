@@ -35,9 +35,11 @@ peak added, and takes them in that order while the budget holds, one per block. 
 the uniform assignments (every block recomputed, offloaded, kept) and the keep-last ones (the
 last k blocks kept, the rest all given one of the other actions, for up to
 ``KEEP_LAST_STARTS`` values of k spread over 1..n-1) and the same with the last k blocks
-selective, and, from the greedy start and the best ``DESCENTS`` of the others, changes one block
-at a time while that improves the objective. Without the greedy start, on the 7B of
-BENCHMARKS.md with one or two drives the search ended at recompute_offload x22, keep x10
+selective, and the assignments the run has measured (``measured``: among them the one in
+force; an unmeasured one must fit ``unmeasured_budget``, NOTE [Unmeasured margin] in
+tba/autopolicy.py), and, from the greedy start and the best ``DESCENTS`` of the others,
+changes one block at a time while that improves the objective. Without the greedy start, on
+the 7B of BENCHMARKS.md with one or two drives the search ended at recompute_offload x22, keep x10
 (1.225x keep-all) though a 1.179x assignment fits: no sequence of single changes from those
 starts leads there; the greedy start gives 1.189x (tests/test_plan_mix.py). It stops after
 ``max_sims`` replays (``SEARCH_SIMS`` at run time; the uniform starts are always replayed) and
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .config import BLOCK_ACTIONS, SELECTIVE
 from .simulator import Engine, Setup, Span, layout
@@ -213,11 +215,14 @@ def choose(
     staging_bytes: int | None = None,
     staging_waits: bool = False,
     write_spread: float = 0.0,
+    unmeasured_budget: int | None = None,
+    measured: Collection[tuple[str, ...]] = (),
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
     local search's replays (None: no bound); staging and ``write_spread`` as :func:`predict`
-    takes them."""
+    takes them. With ``unmeasured_budget``, an assignment not in ``measured`` must fit that
+    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/autopolicy.py)."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -230,6 +235,12 @@ def choose(
         for i in range(n)
     ]
     seen: dict[tuple[str, ...], Prediction] = {}
+    known = frozenset(measured)
+
+    def limit(actions: tuple[str, ...]) -> int | None:  # the budget this assignment must fit
+        if budget is None or unmeasured_budget is None or actions in known:
+            return budget
+        return unmeasured_budget
 
     def sim(actions: tuple[str, ...]) -> Prediction:
         p = seen.get(actions)
@@ -247,7 +258,8 @@ def choose(
         return p
 
     def rank(p: Prediction) -> tuple:
-        over = budget is not None and p.peak_bytes > budget
+        cap = limit(p.actions)
+        over = cap is not None and p.peak_bytes > cap
         return (over, p.peak_bytes if over else 0, p.step_seconds, p.peak_bytes)
 
     exhaustive = n <= exhaustive_blocks
@@ -263,16 +275,20 @@ def choose(
         # in the order _starts gives (a set would follow string hashes, which differ per
         # process): ties in rank then go the same way in every process
         offered = any(SELECTIVE in o for o in options)
-        filled = _fill(pin(("recompute",) * n), sim, options, budget, left)
+        filled = _fill(pin(("recompute",) * n), sim, options, limit, left)
         firsts = [] if filled is None else [filled]
         tried = [  # the uniform ones always; the rest while the bound allows
             sim(pin(s)) for i, s in enumerate(_starts(n, offered)) if i < len(ACTIONS) or left()
         ]
+        # and every measured assignment, always: the one in force among them (NOTE
+        # [Unmeasured margin] in tba/autopolicy.py); sorted, as a set's order differs by process
+        tried += [sim(pin(m)) for m in sorted(known) if len(m) == n]
         starts = sorted(dict.fromkeys(tried), key=rank)
         for p in firsts + [p for p in starts if p not in firsts][:DESCENTS]:
             _descend(p, sim, rank, options, left)
         best = min(seen.values(), key=rank)  # every replay counts, a cut-off descent's too
-    fits = budget is None or best.peak_bytes <= budget
+    cap = limit(best.actions)
+    fits = cap is None or best.peak_bytes <= cap
     return Choice(best, fits, len(seen), exhaustive, budget)
 
 
@@ -296,15 +312,15 @@ def _starts(n: int, selective: bool = True) -> list[list[str]]:
     return out
 
 
-def _fill(base: tuple[str, ...], sim, options, budget: int | None, left) -> Prediction | None:
+def _fill(base: tuple[str, ...], sim, options, limit, left) -> Prediction | None:
     """The greedy start (NOTE [Chooser]): from ``base`` (every block recomputed), the single
     changes that shorten the step, ranked by seconds saved per byte of peak they add, taken in
-    that order while the budget holds, one per block. None without a budget (nothing to fill)
-    or when ``base`` itself is over it."""
-    if budget is None:
+    that order while the budget holds (``limit(actions)``: the budget an assignment must fit),
+    one per block. None without a budget (nothing to fill) or when ``base`` itself is over it."""
+    if limit(base) is None:
         return None
     p0 = cur = sim(base)
-    if p0.peak_bytes > budget:
+    if p0.peak_bytes > limit(base):
         return None
     gains = []
     for i, opts in enumerate(options):
@@ -320,7 +336,7 @@ def _fill(base: tuple[str, ...], sim, options, budget: int | None, left) -> Pred
         if i in done or not left():
             continue
         q = sim(cur.actions[:i] + (a,) + cur.actions[i + 1 :])
-        if q.peak_bytes <= budget and q.step_seconds < cur.step_seconds:
+        if q.peak_bytes <= limit(q.actions) and q.step_seconds < cur.step_seconds:
             cur = q
             done.add(i)
     return cur
