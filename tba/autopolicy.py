@@ -92,8 +92,12 @@ MARGIN = 0.98
 # budget, which leaves the 3.8% error within the budget, and one that has run under MARGIN.
 # Once run, an assignment is measured for the rest of the run, whatever window or rates it ran
 # at. This also favours the assignment in force over an unmeasured one predicted a little
-# faster and a little higher, which is what the overrun above did.
+# faster and a little higher, which is what the overrun above did. The search replays every
+# measured assignment at each decision (so that the one in force is always a candidate); the
+# controller remembers the MEASURED_KEPT it ran last, so that a week-long run's decisions stay
+# as cheap as its first (one forgotten is unmeasured again: held to the lower margin).
 UNMEASURED_MARGIN = 0.96
+MEASURED_KEPT = 32
 
 # NOTE [Write spread]
 # The controller decides again when a bandwidth moves by more than DRIFT (25%) from the one it
@@ -175,7 +179,8 @@ class PolicyController:
         self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
         self.learned = False  # a block's recompute was measured for the first time
         self.excess = 0  # bytes measured steps of its choices went over the budget, summed
-        self.measured: set[tuple[str, ...]] = set()  # its choices that a step ran (per block)
+        # its choices that a step ran (per block), the last run last: NOTE [Unmeasured margin]
+        self.measured: dict[tuple[str, ...], None] = {}
         self.room: int | None = None  # NOTE [Window under auto]
         self.fits = True  # the last decision's assignment fits the target (NOTE [Chooser])
         self.decision: dict[str, Any] = {
@@ -233,8 +238,11 @@ class PolicyController:
         ran_choice = bool(self.chosen) and ran == [
             self.assignment().get(i, a) for i, a in enumerate(ran)
         ]
-        if ran_choice:  # NOTE [Unmeasured margin]
-            self.measured.add(tuple(ran))
+        if ran_choice:  # NOTE [Unmeasured margin]: the last MEASURED_KEPT run
+            self.measured.pop(tuple(ran), None)
+            self.measured[tuple(ran)] = None
+            while len(self.measured) > MEASURED_KEPT:
+                del self.measured[next(iter(self.measured))]
         over = limit is not None and peak > limit and ran_choice
         if over:  # NOTE [Budget margin]: charged, and decided again below at once
             self.excess += peak - limit

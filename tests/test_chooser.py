@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -370,7 +371,7 @@ def test_a_choice_measured_over_the_budget_lowers_the_target():
     ran = [ctl.assignment()[i] for i in range(6)]
     ctl.observe(2, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit - 1)
     assert ctl.decision["step"] == 1 and ctl.excess == 0  # within: nothing to do
-    assert ctl.measured == {tuple(ran)}
+    assert list(ctl.measured) == [tuple(ran)]
     ctl.observe(3, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 5 * MiB)
     assert ctl.decision["step"] == 3  # decided again at once
     assert ctl.decision["target_bytes"] == target(ctl, limit, 5 * MiB)
@@ -412,15 +413,39 @@ def test_the_controller_counts_only_its_choices_as_measured():
     ctl = PolicyController("auto", None, every=2, pacer=Pacer(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
-    assert ctl.measured == set() and not ctl.decision["measured"]
+    assert not ctl.measured and not ctl.decision["measured"]
     ran = [ctl.assignment()[i] for i in range(6)]
     ctl.observe(2, records(["offload"] * 6), 20e6, 20e6, budget, 128 * MiB)
-    assert ctl.measured == set()
+    assert not ctl.measured
     ctl.observe(3, records(ran), 20e6, 20e6, budget, 128 * MiB)  # due: decides again
-    assert ctl.decision["step"] == 3 and ctl.measured == {tuple(ran)}
+    assert ctl.decision["step"] == 3 and list(ctl.measured) == [tuple(ran)]
     if ctl.decision["actions"] == ran:  # the same choice, now measured
         limit = ctl.decision["budget_bytes"]
         assert ctl.decision["measured"] and ctl.decision["target_bytes"] == int(0.98 * limit)
+
+
+def test_the_controller_remembers_the_assignments_it_ran_last():
+    """NOTE [Unmeasured margin]: the search replays every measured assignment at each
+    decision, so the controller keeps the MEASURED_KEPT run last; running one again makes it
+    the newest."""
+    from tba.autopolicy import MEASURED_KEPT
+
+    ctl = PolicyController("auto", None, every=10**6, pacer=Pacer(FakeClock()))
+    budget = lambda saved: int(0.35 * saved)  # noqa: E731
+    ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
+    first = tuple(ctl.assignment()[i] for i in range(6))
+    pool = [a for a in itertools.product(("offload", "recompute", "keep"), repeat=6)]
+    pool = [a for a in pool if a != first][:MEASURED_KEPT]
+    for step, a in enumerate([first, *pool], start=2):
+        ctl.chosen = dict(enumerate(a))  # as if auto had chosen it
+        ctl.observe(step, records(list(a)), 20e6, 20e6, budget, 128 * MiB)
+        if step == 3:  # the first again: the newest, so it outlives the others
+            ctl.chosen = dict(enumerate(first))
+            ctl.observe(step, records(list(first)), 20e6, 20e6, budget, 128 * MiB)
+    assert len(ctl.measured) == MEASURED_KEPT
+    assert list(ctl.measured)[-1] == pool[-1]
+    assert pool[0] not in ctl.measured  # the oldest went
+    assert first in ctl.measured  # run after pool[0]: kept
 
 
 def test_an_overrun_decides_at_once_paced_or_not():
