@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
+import os
 import sys
 import threading
 
@@ -21,7 +24,9 @@ def align_up(n: int, align: int) -> int:
 MAPPED_BYTES = 1 << 20  # buffers this large get their own mapping (see aligned_empty)
 
 
-def aligned_empty(nbytes: int, align: int = PAGE, pin: bool = False) -> torch.Tensor:
+def aligned_empty(
+    nbytes: int, align: int = PAGE, pin: bool = False, heap: bool = False
+) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose data pointer is a multiple of ``align``.
 
     Buffers of 1 MiB and more (unpinned) are anonymous memory mappings of their own, which are
@@ -29,10 +34,11 @@ def aligned_empty(nbytes: int, align: int = PAGE, pin: bool = False) -> torch.Te
     dynamic mmap threshold soon serves 8-32 MiB blocks from the heap and keeps them after they
     are freed, so read-back buffers that tba frees during backward would stay in the process
     (measured: W1's memory grew ~90 MiB per sequence with tba under glibc's defaults, ~22 MiB
-    with mappings). Smaller ones over-allocate by ``align`` bytes and return an aligned slice.
-    With ``pin`` the memory is page-locked (CUDA hosts only), allocated by torch.
+    with mappings). Smaller ones, and any size with ``heap`` (NOTE [Read buffers from the
+    heap]), over-allocate by ``align`` bytes through torch's allocator and return an aligned
+    slice. With ``pin`` the memory is page-locked (CUDA hosts only), allocated by torch.
     """
-    if not pin and nbytes >= MAPPED_BYTES and PAGE % align == 0:
+    if not pin and not heap and nbytes >= MAPPED_BYTES and PAGE % align == 0:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return torch.frombuffer(m, dtype=torch.uint8)  # keeps ``m`` alive; unmapped with it
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
@@ -61,6 +67,51 @@ def size_class(nbytes: int) -> int:
 # is never exported, not once at import: after torch.compile has run in the process every
 # count reads one higher (measured with torch 2.13, Python 3.11), and a count taken at import
 # inside a compiled region would read one lower later, calling a buffer in use free.
+# NOTE [Read buffers from the heap]
+# Under an allocator that keeps the large blocks a process frees and serves them again
+# (tcmalloc, jemalloc, mimalloc; which one serves ``malloc`` is :func:`malloc_name`), the
+# mappings above are the worse choice. During backward the allocator holds, already faulted in,
+# the memory of the activations that were freed once written, and a fresh mapping puts new
+# pages beside it, which io_uring then faults in and zeroes while it pins them on the training
+# thread. So there read-back buffers come from torch's allocator (``aligned_empty(...,
+# heap=True)``): the pool is not used, and what autograd frees goes back to that allocator.
+# W1 under tcmalloc, one process per trial (BENCHMARKS.md, "Batch headroom"): at batch 24 the
+# read submission fell from 0.46 to 0.11 s a step, minor faults from 210 to 2 thousand a step,
+# and the process peak from 1334 to 1096 MiB; auto at 35 under its budget, 1.0 to 0.15 s,
+# 495 to 14-100 thousand, 1517 to 1308 MiB. glibc's malloc, which hands large blocks back to
+# the kernel and keeps a heap that can grow, keeps the pool.
+CACHING_MALLOCS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+@functools.cache
+def malloc_name() -> str:
+    """The allocator behind this process's ``malloc``: "tcmalloc", "jemalloc" or "mimalloc"
+    when the library that defines the symbol the process resolves is one of those (an
+    LD_PRELOAD, or a link), else "glibc" (also when that cannot be told)."""
+    try:
+        libc = ctypes.CDLL(None)
+        addr = ctypes.cast(libc.malloc, ctypes.c_void_p)
+        info = _DlInfo()
+        if not libc.dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+            return "glibc"
+        base = os.path.basename(os.fsdecode(info.dli_fname))
+    except (OSError, AttributeError, ValueError):
+        return "glibc"
+    for name in CACHING_MALLOCS:
+        if base.startswith("lib" + name):
+            return name
+    return "glibc"
+
+
 class MappedPool:
     """Recycled page-aligned anonymous mappings for read-back buffers (NOTE [Read buffer reuse])."""
 

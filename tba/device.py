@@ -66,7 +66,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ._memory import MAPPED_BYTES, PAGE, MappedPool, aligned_empty
+from ._memory import (
+    CACHING_MALLOCS,
+    MAPPED_BYTES,
+    PAGE,
+    MappedPool,
+    aligned_empty,
+    malloc_name,
+)
 
 
 def _device_empty(nbytes: int, align: int, device: torch.device) -> torch.Tensor:
@@ -129,19 +136,24 @@ class CpuAdapter:
     """Host memory is device memory: captures are memcpy, read-backs are zero-copy.
 
     Read buffers of 1 MiB and more come from a :class:`MappedPool` of at most ``pool_bytes``
-    (NOTE [Read buffer reuse]); ``trim()`` unmaps its free mappings.
+    (NOTE [Read buffer reuse]); ``trim()`` unmaps its free mappings. Under an allocator that
+    keeps what is freed (``heap``, by default when :func:`malloc_name` names one) they come
+    from torch's allocator instead (NOTE [Read buffers from the heap]).
     """
 
     name = "cpu"
     uploads = False
 
-    def __init__(self, pool_bytes: int = 0):
+    def __init__(self, pool_bytes: int = 0, heap: bool | None = None):
+        self.heap = malloc_name() in CACHING_MALLOCS if heap is None else heap
         self.pool = MappedPool(pool_bytes)
 
     def staging_arena(self, nbytes: int, align: int) -> torch.Tensor:
         return aligned_empty(nbytes, align)
 
     def host_buffer(self, nbytes: int, align: int) -> torch.Tensor:
+        if self.heap:
+            return aligned_empty(nbytes, align, heap=True)
         if nbytes >= MAPPED_BYTES and PAGE % align == 0:
             return self.pool.get(nbytes)
         return aligned_empty(nbytes, align)
