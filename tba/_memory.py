@@ -78,8 +78,10 @@ def size_class(nbytes: int) -> int:
 # W1 under tcmalloc, one process per trial (BENCHMARKS.md, "Batch headroom"): at batch 24 the
 # read submission fell from 0.46 to 0.11 s a step, minor faults from 210 to 2 thousand a step,
 # and the process peak from 1334 to 1096 MiB; auto at 35 under its budget, 1.0 to 0.15 s,
-# 495 to 14-100 thousand, 1517 to 1308 MiB. glibc's malloc, which hands large blocks back to
-# the kernel and keeps a heap that can grow, keeps the pool.
+# 495 to 14-100 thousand, 1517 to 1308 MiB; under the 1280 MiB cap the default's max batch rose
+# from 24 to 32. jemalloc and mimalloc are included on the same reasoning; only tcmalloc has
+# been measured. glibc's malloc, which hands large blocks back to the kernel and keeps a heap
+# that can grow, keeps the pool.
 CACHING_MALLOCS = ("tcmalloc", "jemalloc", "mimalloc")
 
 
