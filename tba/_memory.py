@@ -52,29 +52,15 @@ def size_class(nbytes: int) -> int:
     return align_up(nbytes, granule)
 
 
-# NOTE [Read buffer reuse]
-# A read-back buffer is handed to autograd as (views of) a tensor, and autograd frees it when
-# the node that used it is done, a moment tba cannot observe through a hook. Fresh anonymous
-# mappings are returned to the kernel at once (good for peak memory, see aligned_empty) but
-# every page of every read is faulted in and zeroed again: on W1 that is ~0.8 GiB per step of
-# kernel work on the cores that run compute. The pool keeps mappings and hands them out again
-# once their last tensor is gone. It knows that without any hook: ``torch.frombuffer`` holds
-# the exporting object (the mmap) through the tensor storage's Py_buffer, so while any view of
-# the buffer lives, the mmap's reference count is one higher (tests/test_memory.py pins this).
-# The pool holds at most ``limit`` bytes of mappings (busy or free); past that, buffers are
-# plain one-off mappings. ``trim()`` (at each step's start) unmaps the free ones, so forward
-# runs without them. The count a free mapping has is measured at every look, on a mapping that
-# is never exported, not once at import: after torch.compile has run in the process every
-# count reads one higher (measured with torch 2.13, Python 3.11), and a count taken at import
-# inside a compiled region would read one lower later, calling a buffer in use free.
 # NOTE [Read buffers from the heap]
 # Under an allocator that keeps the large blocks a process frees and serves them again
-# (tcmalloc, jemalloc, mimalloc; which one serves ``malloc`` is :func:`malloc_name`), the
-# mappings above are the worse choice. During backward the allocator holds, already faulted in,
-# the memory of the activations that were freed once written, and a fresh mapping puts new
-# pages beside it, which io_uring then faults in and zeroes while it pins them on the training
-# thread. So there read-back buffers come from torch's allocator (``aligned_empty(...,
-# heap=True)``): the pool is not used, and what autograd frees goes back to that allocator.
+# (tcmalloc, jemalloc, mimalloc; which one serves ``malloc`` is :func:`malloc_name`),
+# mappings (aligned_empty's, and the pool's below) are the worse choice. During backward the
+# allocator holds, already faulted in, the memory of the activations that were freed once
+# written, and a fresh mapping puts new pages beside it, which io_uring then faults in and
+# zeroes while it pins them on the training thread. So there read-back buffers come from
+# torch's allocator (``aligned_empty(..., heap=True)``): the pool is not used, and what
+# autograd frees goes back to that allocator.
 # W1 under tcmalloc, one process per trial (BENCHMARKS.md, "Batch headroom"): at batch 24 the
 # read submission fell from 0.46 to 0.11 s a step, minor faults from 210 to 2 thousand a step,
 # and the process peak from 1334 to 1096 MiB; auto at 35 under its budget, 1.0 to 0.15 s,
@@ -114,6 +100,21 @@ def malloc_name() -> str:
     return "glibc"
 
 
+# NOTE [Read buffer reuse]
+# A read-back buffer is handed to autograd as (views of) a tensor, and autograd frees it when
+# the node that used it is done, a moment tba cannot observe through a hook. Fresh anonymous
+# mappings are returned to the kernel at once (good for peak memory, see aligned_empty) but
+# every page of every read is faulted in and zeroed again: on W1 that is ~0.8 GiB per step of
+# kernel work on the cores that run compute. The pool keeps mappings and hands them out again
+# once their last tensor is gone. It knows that without any hook: ``torch.frombuffer`` holds
+# the exporting object (the mmap) through the tensor storage's Py_buffer, so while any view of
+# the buffer lives, the mmap's reference count is one higher (tests/test_memory.py pins this).
+# The pool holds at most ``limit`` bytes of mappings (busy or free); past that, buffers are
+# plain one-off mappings. ``trim()`` (at each step's start) unmaps the free ones, so forward
+# runs without them. The count a free mapping has is measured at every look, on a mapping that
+# is never exported, not once at import: after torch.compile has run in the process every
+# count reads one higher (measured with torch 2.13, Python 3.11), and a count taken at import
+# inside a compiled region would read one lower later, calling a buffer in use free.
 class MappedPool:
     """Recycled page-aligned anonymous mappings for read-back buffers (NOTE [Read buffer reuse])."""
 
