@@ -80,24 +80,37 @@ class _DlInfo(ctypes.Structure):
     ]
 
 
+def malloc_family(path: str) -> str:
+    """ "tcmalloc", "jemalloc" or "mimalloc" for a library of that family (by its file name,
+    e.g. libtcmalloc_minimal.so.4), else "glibc"."""
+    base = os.path.basename(path)
+    for name in CACHING_MALLOCS:
+        if base.startswith("lib" + name):
+            return name
+    return "glibc"
+
+
 @functools.cache
-def malloc_name() -> str:
-    """The allocator behind this process's ``malloc``: "tcmalloc", "jemalloc" or "mimalloc"
-    when the library that defines the symbol the process resolves is one of those (an
-    LD_PRELOAD, or a link), else "glibc" (also when that cannot be told)."""
+def malloc_library() -> tuple[str, str | None]:
+    """The allocator behind this process's ``malloc`` and the library that defines the symbol
+    the process resolves (an LD_PRELOAD, or a link): (:func:`malloc_family` of it, its path),
+    or ("glibc", None) for glibc's own and when that cannot be told."""
     try:
         libc = ctypes.CDLL(None)
         addr = ctypes.cast(libc.malloc, ctypes.c_void_p)
         info = _DlInfo()
         if not libc.dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
-            return "glibc"
-        base = os.path.basename(os.fsdecode(info.dli_fname))
+            return "glibc", None
+        path = os.fsdecode(info.dli_fname)
     except (OSError, AttributeError, ValueError):
-        return "glibc"
-    for name in CACHING_MALLOCS:
-        if base.startswith("lib" + name):
-            return name
-    return "glibc"
+        return "glibc", None
+    name = malloc_family(path)
+    return name, None if name == "glibc" else path
+
+
+def malloc_name() -> str:
+    """:func:`malloc_library`'s family alone."""
+    return malloc_library()[0]
 
 
 # NOTE [Read buffer reuse]

@@ -150,7 +150,7 @@ def test_the_offloader_reads_into_the_heap_only_under_a_caching_malloc(
 
 _UNDER_TCMALLOC = textwrap.dedent(
     """
-    import sys, tempfile, torch, tba
+    import tempfile, torch, tba
     from tba._memory import malloc_name
     from tba.testing import GPT, GPTConfig, random_batch
     print(malloc_name())

@@ -53,7 +53,6 @@ from .probes import _missing_components, _our_dirs
 from .probes import _probe_io_uring as _probe_io_uring
 from .probes import _read_int as _read_int
 from .probes import find_tcmalloc as find_tcmalloc
-from .probes import malloc_in_use as malloc_in_use
 from .recommend import PREFETCH_CAP as PREFETCH_CAP
 from .recommend import QUOTA_SHARE as QUOTA_SHARE
 from .recommend import SATURATION as SATURATION

@@ -6,8 +6,9 @@ from __future__ import annotations
 import collections
 import resource
 
+from .._memory import malloc_library
 from ..config import format_size
-from .probes import _optional_status, _read_text, malloc_in_use
+from .probes import _optional_status
 from .state import _NO_VALUE, Run
 
 # The fix printed when the native engine is not built and its build_error names no fix.
@@ -142,13 +143,14 @@ def check_host_malloc(d: Run) -> None:
     """Which malloc serves this process's CPU tensors, and whether it gives back what tba
     frees early (BENCHMARKS.md, "Batch headroom")."""
     facts = d.facts["host_malloc"]
-    name, lib = malloc_in_use(_read_text("/proc/self/maps"))
+    name, lib = malloc_library()  # the one tba reads back into (NOTE [Read buffers from the heap])
     facts.update(malloc=name, library=lib)
     if name != "glibc":
         d.set(
             "host_malloc",
             "ok",
-            f"{name} ({lib}): reuses the memory autograd frees once tba has written a tensor",
+            f"{name} ({lib}): reuses the memory autograd frees once tba has written a "
+            "tensor, and tba reads back into it",
         )
         return
     if d.facts["cuda"]["available"]:
@@ -172,7 +174,7 @@ def check_host_malloc(d: Run) -> None:
         "warn",
         "glibc malloc with CPU tensors: the memory autograd frees once tba has written a "
         "tensor mostly stays in glibc's heap, so a larger batch gains little (W1 under a "
-        "1280 MiB cap: 1.25-1.4x the batch with glibc, 2.8x with tcmalloc, whose steps were "
+        "1280 MiB cap: 1.25-1.4x the batch with glibc, 3.6x with tcmalloc, whose steps were "
         f"not slower; BENCHMARKS.md); {fix}",
     )
 

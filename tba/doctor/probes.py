@@ -1,5 +1,6 @@
 """Reads of the machine for ``tba doctor``: optional modules, /proc and /sys files, io_uring,
-capabilities, the malloc in use, and what this process made in a spill root. No rows here."""
+capabilities, where tcmalloc is installed, and what this process made in a spill root. No rows
+here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 from .._memory import aligned_empty, as_memoryview
 from ..storage.spilldir import dir_name_pattern, host_tag
 
-_MALLOCS = (("tcmalloc", "libtcmalloc"), ("jemalloc", "libjemalloc"), ("mimalloc", "libmimalloc"))
 _LIB_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
     "/usr/lib/aarch64-linux-gnu",
@@ -21,21 +21,6 @@ _LIB_DIRS = (
     "/usr/lib",
     "/usr/local/lib",
 )
-
-
-def malloc_in_use(maps: str) -> tuple[str, str | None]:
-    """("tcmalloc" | "jemalloc" | "mimalloc", its path) when one is mapped into the process
-    whose /proc/<pid>/maps text is ``maps``, else ("glibc", None)."""
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6:
-            continue  # an anonymous mapping
-        path = parts[5].strip()
-        base = os.path.basename(path)
-        for name, prefix in _MALLOCS:
-            if base.startswith(prefix + ".so") or base.startswith(prefix + "_minimal.so"):
-                return name, path
-    return "glibc", None
 
 
 def find_tcmalloc(dirs: tuple[str, ...] = _LIB_DIRS) -> str | None:
@@ -46,14 +31,6 @@ def find_tcmalloc(dirs: tuple[str, ...] = _LIB_DIRS) -> str | None:
             if os.path.exists(path):
                 return path
     return None
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _our_dirs(root: str) -> list[str]:
