@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 import tba
-from tba._memory import aligned_empty, as_memoryview
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.storage import open_backend
 
 CHUNK = 8 << 20

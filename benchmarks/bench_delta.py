@@ -71,8 +71,8 @@ from _machine import dump_json, machine_line  # noqa: E402
 from _stats import paired_ratio, ratio_interval  # noqa: E402
 
 import tba  # noqa: E402
-from tba.autopolicy import PolicyController  # noqa: E402
-from tba.chooser import predict  # noqa: E402
+from tba.decide.block_policy import PolicyController  # noqa: E402
+from tba.decide.chooser import predict  # noqa: E402
 from tba.plan.render import LETTERS as RENDER_LETTERS  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 
@@ -271,7 +271,7 @@ def validate(args, model, batch, spill) -> dict:
 
     Each round calibrates from two steps, as ``auto`` has measured by its second decision:
     one with every block recomputed (what a recompute takes: NOTE [Recompute cost] in
-    tba/autopolicy.py), then one with every block offloaded (per group forward and backward
+    tba/decide/block_policy.py), then one with every block offloaded (per group forward and backward
     seconds and bytes, and the write and read rate); both go through one PolicyController's
     ``_costs``, as at run time. Then it predicts each assignment with the chooser's
     ``predict`` and runs it. Errors are per round, predicted / measured - 1; reported as

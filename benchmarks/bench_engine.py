@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import dump_json, machine_line  # noqa: E402
 
-from tba._memory import aligned_empty, as_memoryview  # noqa: E402
-from tba.coalesce import Batch, batch_bytes  # noqa: E402
 from tba.config import Config, format_size, parse_size  # noqa: E402
+from tba.datapath.capture.coalesce import Batch, batch_bytes  # noqa: E402
+from tba.datapath.capture.staging import StagingPool  # noqa: E402
 from tba.errors import ConfigError  # noqa: E402
-from tba.staging import StagingPool  # noqa: E402
+from tba.host.memory import aligned_empty, as_memoryview  # noqa: E402
 from tba.storage import open_backend  # noqa: E402
 from tba.storage.slab import open_unnamed  # noqa: E402
 
@@ -104,7 +104,7 @@ def run_backend(
 
 
 class Coalesced:
-    """64 KiB tensors through real batches (tba.coalesce), on one backend."""
+    """64 KiB tensors through real batches (tba.datapath.capture.coalesce), on one backend."""
 
     def __init__(self, backend, total: int, source):
         self.backend = backend

@@ -44,13 +44,13 @@ formula and each trial's budget are printed and written to the JSON
 auto's trials run ``--steps`` steps too (``--auto-steps`` overrides that for auto alone; the
 runs in BENCHMARKS.md before this default had 2 steps for the other modes and 3 for auto): step
 1 runs as offload with no block kept (adaptive keep's first K is 0 when memory is bounded,
-FIRST_K in tba/adaptive.py), auto decides when step 2 starts, and step 3 runs on what it learnt
-from step 2. With a TBA_MEMORY_BUDGET set, TBA_STAGING_FULL defaults to ``wait`` (NOTE [Staging
-backpressure] in tba/staging.py); before that, from batch 33 on, the second of each block's two
-MLP tensors (132 MiB each; the 256 MiB staging holds one while it is written) stayed resident
-all forward, and an auto trial at 33 was OOM-killed in step 1. The actions each step ran with
-are printed per trial (one letter per block: k, o, r, or s for recompute_offload), and a trial
-that does not fit says in which step it was killed.
+FIRST_K in tba/decide/adaptive.py), auto decides when step 2 starts, and step 3 runs on what it
+learnt from step 2. With a TBA_MEMORY_BUDGET set, TBA_STAGING_FULL defaults to ``wait`` (NOTE
+[Staging backpressure] in tba/datapath/capture/staging.py); before that, from batch 33 on, the
+second of each block's two MLP tensors (132 MiB each; the 256 MiB staging holds one while it is
+written) stayed resident all forward, and an auto trial at 33 was OOM-killed in step 1. The actions
+each step ran with are printed per trial (one letter per block: k, o, r, or s for
+recompute_offload), and a trial that does not fit says in which step it was killed.
 
 **Time per sequence.** After the searches, each mode runs again at its max batch, under the cap,
 ``--time-rounds`` rounds (default 2; 0 skips it) with the modes in turn (the order rotates per

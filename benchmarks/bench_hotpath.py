@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from _machine import machine_line  # noqa: E402
 
 import tba  # noqa: E402
-from tba import hook  # noqa: E402
 from tba.config import parse_size  # noqa: E402
+from tba.datapath import hook  # noqa: E402
 
 
 def main(argv=None) -> int:

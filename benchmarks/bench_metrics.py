@@ -1,4 +1,4 @@
-"""What the Prometheus metrics (tba/metrics.py) add per saved tensor.
+"""What the Prometheus metrics (tba/metrics/__init__.py) add per saved tensor.
 
     python benchmarks/bench_metrics.py [--tensors 2000] [--size 64KiB] [--rounds 7]
 
@@ -44,9 +44,10 @@ import torch  # noqa: E402
 from _machine import machine_line  # noqa: E402
 
 import tba  # noqa: E402
-from tba import hook, metrics, offloader  # noqa: E402
+from tba import metrics  # noqa: E402
 from tba.config import parse_size  # noqa: E402
-from tba.step import StepState  # noqa: E402
+from tba.datapath import hook, offloader  # noqa: E402
+from tba.records.step import StepState  # noqa: E402
 
 _CALLS = ("track", "io_error", "publish", "close")
 

@@ -55,7 +55,7 @@ from bench_step import one_step  # noqa: E402
 
 import tba  # noqa: E402
 from tba import plan  # noqa: E402
-from tba._memory import aligned_empty, io_buffer  # noqa: E402
+from tba.host.memory import aligned_empty, io_buffer  # noqa: E402
 from tba.testing import GPT, W1, W1_MICRO_BATCH, random_batch  # noqa: E402
 
 MB = 10**6

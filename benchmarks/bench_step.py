@@ -15,7 +15,7 @@ its own interleaved mode (``tba:native``, ``tba:posix``; ``tba:keep=auto``, ``tb
 ``tba:checksum=auto``; ``tba:recompute=1``), and the report adds the ratio of the first two.
 ``--autocast bf16`` (or ``fp16``) runs every mode's forward under ``torch.autocast``; the
 report then shows, per tba mode, the bytes written and the weight casts recomputed instead
-(NOTE [Weight-derived tensors] in tba/derived.py). ``--max-bps`` caps
+(NOTE [Weight-derived tensors] in tba/datapath/capture/derived.py). ``--max-bps`` caps
 both directions (TBA_MAX_WRITE_BPS/READ_BPS) to emulate a slower disk. ``--io-load`` adds a
 mode "none+io": the no-offload step while a background loop writes and reads at the rates
 the first tba mode moved in its previous step (benchmarks/_ioload.py), to separate what the

@@ -32,8 +32,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .offloader import Offloader
-    from .step import PINNED_KEYS
+    from .datapath.offloader import Offloader
+    from .records.step import PINNED_KEYS
 
 __version__ = "0.1.0"
 
@@ -58,9 +58,9 @@ _default_lock = threading.Lock()
 
 def __getattr__(name: str) -> Any:
     if name == "Offloader":
-        from .offloader import Offloader as value
+        from .datapath.offloader import Offloader as value
     elif name == "PINNED_KEYS":
-        from .step import PINNED_KEYS as value
+        from .records.step import PINNED_KEYS as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -72,7 +72,7 @@ def default_offloader() -> Offloader:
     global _default
     with _default_lock:
         if _default is None or _default.closed:
-            from .offloader import Offloader
+            from .datapath.offloader import Offloader
 
             _default = Offloader(Config())
             atexit.register(_default.close)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .policy import is_parameter_like
+from .decide.keep import is_parameter_like
 
 __all__ = [
     "BenchSettings",

@@ -262,8 +262,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "bandwidth that hides offload behind compute, and a simulated step time, stall and "
             "peak memory for every TBA_KEEP_LAST, with the recommended K and keep-all vs "
             "offload vs recompute. From a model shape and hardware figures, or from a trace "
-            "(TBA_TRACE) of a real run. Model and rules: tba/plan/ and tba/simulator/. Exit 0: "
-            "done; 2: bad input."
+            "(TBA_TRACE) of a real run. Model and rules: tba/plan/ and tba/decide/simulator/. "
+            "Exit 0: done; 2: bad input."
         ),
     )
     pos = _plan_count(1, "32")

@@ -118,7 +118,7 @@ def modified_error(
 ) -> UnpackError:
     """Stock PyTorch's in-place error, for a saved tensor modified after it was packed, or
     for the parameter a weight-derived tensor is recomputed from (``what="parameter"``,
-    NOTE [Weight-derived tensors] in tba/derived.py)."""
+    NOTE [Weight-derived tensors] in tba/datapath/capture/derived.py)."""
     if what == "parameter":
         fix = (
             "A saved cast of this parameter is recomputed from it in backward, as autograd "

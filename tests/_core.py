@@ -1,10 +1,10 @@
 """The Packer and the Reader wired by hand, without an Offloader, for tests of each alone.
 
-The parts are the real ones (tba.index, tba.io, tba.pack, tba.unpack, tba.groups,
-tba.scheduler) over the real memory backend; only time is fake (a clock that advances 1 ms per
-reading, so every duration tba measures is a whole number of readings), and a backend may be
-swapped for one of the small real backends below that refuse space, fail, or hold transfers
-until released.
+The parts are the real ones (tba.records.index, tba.datapath.io, tba.datapath.pack,
+tba.datapath.unpack, tba.datapath.blocks.groups, tba.datapath.prefetch) over the real memory
+backend; only time is fake (a clock that advances 1 ms per reading, so every duration tba measures
+is a whole number of readings), and a backend may be swapped for one of the small real backends
+below that refuse space, fail, or hold transfers until released.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 import tba
+from tba.datapath.blocks.groups import GroupTracker
+from tba.datapath.io import IO
+from tba.datapath.pack import Packer
+from tba.datapath.prefetch import Prefetcher
+from tba.datapath.unpack import Reader
+from tba.decide.keep import Policy
 from tba.errors import StorageError
-from tba.groups import GroupTracker
-from tba.index import Index
-from tba.io import IO
-from tba.pack import Packer
-from tba.policy import Policy
-from tba.scheduler import Prefetcher
-from tba.step import StepState
+from tba.records.index import Index
+from tba.records.step import StepState
 from tba.storage.memory import MemoryBackend
-from tba.unpack import Reader
 
 TICK = 0.001
 
@@ -52,7 +52,7 @@ class FakeClock:
 
 
 class Sink:
-    """Records what tba reports to its metrics (the IOSink protocol of tba/io.py)."""
+    """Records what tba reports to its metrics (the IOSink protocol of tba/datapath/io.py)."""
 
     def __init__(self) -> None:
         self.io_log: list[tuple[bool, float, int]] = []
@@ -137,7 +137,7 @@ class GatedBackend(MemoryBackend):
 
 
 class Core:
-    """Index, IO, Packer, Reader and Prefetcher, wired as tba/offloader.py wires them."""
+    """Index, IO, Packer, Reader and Prefetcher, wired as tba/datapath/offloader.py wires them."""
 
     def __init__(self, backend: Any = None, **cfg: Any):
         cfg.setdefault("backend", "memory")

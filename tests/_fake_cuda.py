@@ -1,4 +1,4 @@
-"""A fake ``torch.cuda`` whose copies run late (tests/test_device.py explains it).
+"""A fake ``torch.cuda`` whose copies run late (tests/datapath/test_device.py explains it).
 
 Every copy is queued on its stream and runs only when something synchronizes: an event's
 ``synchronize``/``query`` runs its stream up to the event, and a stream's ``synchronize``

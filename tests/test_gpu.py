@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import tba
-from tba.device import CudaAdapter
+from tba.datapath.capture.device import CudaAdapter
 from tba.testing import GPT, GPTConfig, random_batch
 
-from .test_offloader import _spill_bytes_held
+from .datapath.test_offloader import _spill_bytes_held
 
 pytestmark = pytest.mark.gpu
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import collections
 import resource
 
-from .._memory import malloc_library
 from ..config import format_size
+from ..host.memory import malloc_library
 from .probes import _optional_status
 from .state import _NO_VALUE, Run
 

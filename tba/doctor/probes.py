@@ -11,7 +11,7 @@ import os
 import platform
 from typing import Any
 
-from .._memory import aligned_empty, as_memoryview
+from ..host.memory import aligned_empty, as_memoryview
 from ..storage.spilldir import dir_name_pattern, host_tag
 
 _LIB_DIRS = (

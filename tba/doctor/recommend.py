@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .._memory import align_up
 from ..config import format_size
+from ..host.memory import align_up
 from .disk import _RAM_FS, _SLOW_FS
 from .report import GIB, MIB, Recommendation
 from .state import Run

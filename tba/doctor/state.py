@@ -8,9 +8,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .._memory import align_up
 from ..config import Config
 from ..errors import ConfigError
+from ..host.memory import align_up
 from .report import EXTENT_BYTES, ROWS, STATUSES, Check
 
 _NO_VALUE: Any = object()  # "the engine did not say" (None means unlimited)

@@ -11,8 +11,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from .._memory import align_up, aligned_empty, as_memoryview
 from ..config import Config, format_size
+from ..host.memory import align_up, aligned_empty, as_memoryview
 from ..storage import open_backend
 from .report import EXTENT_BYTES, GIB, MIB, SWEEP
 from .state import Run, _ProbeFailed, _strip_prefix, _why

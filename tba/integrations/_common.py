@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..config import Config, format_size
+from ..datapath.hook import EagerScope
 from ..errors import ConfigError
-from ..hook import EagerScope
 
 _active = threading.local()  # a wrapped forward is running in this thread
 

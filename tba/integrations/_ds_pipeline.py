@@ -9,7 +9,7 @@ word. The schedule runs each instruction through the class's ``_INSTRUCTION_MAP`
 map in which ``ForwardPass`` runs the original under ``offloader.step(stage_module)``. One
 micro-batch's forward, the last stage's loss included, is one tba step, and the schedule's
 backward of that micro-batch reads it back; under 1F1B several steps are pending at once and
-the prefetcher serves the oldest first (NOTE [Plan order] in tba/scheduler.py). If this
+the prefetcher serves the oldest first (NOTE [Plan order] in tba/datapath/prefetch.py). If this
 DeepSpeed has no such map, :func:`enable_pipeline` raises; and if a ``train_batch`` ends
 without tba's forward having run once, it raises there, rather than train silently without
 offload.
@@ -21,8 +21,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from ..datapath.hook import EagerScope
 from ..errors import UsageError
-from ..hook import EagerScope
 from ._common import forward_scope
 
 _FIX = (

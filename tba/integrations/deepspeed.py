@@ -52,8 +52,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import Config
+from ..datapath.offloader import Offloader
 from ..errors import ConfigError, UsageError
-from ..offloader import Offloader
 from ._common import (
     build_config,
     describe_sources,

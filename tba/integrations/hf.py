@@ -27,7 +27,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..config import Config
-from ..offloader import Offloader
+from ..datapath.offloader import Offloader
 from ._common import unwrap_forward, wrap_forward
 
 __all__ = ["OffloadCallback"]

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from ..config import Config, parse_size
+from ..datapath.hook import EagerScope
+from ..datapath.offloader import Offloader
 from ..errors import ConfigError, UsageError, ValueParseError
-from ..hook import EagerScope
-from ..offloader import Offloader
 from ._common import build_config, describe_sources, env_config, env_kill_switch, forward_scope
 
 __all__ = [

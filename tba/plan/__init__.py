@@ -9,7 +9,7 @@ Modules, in the order a plan is made:
 - ``shape``: a transformer's saved tensors and FLOPs (NOTE [Activation bytes]);
 - ``workload``: a step's groups from a shape; ``trace``: from a TBA_TRACE file;
 - ``simulation``: steps back to back on the simulator the runtime's adaptive keep uses too
-  (NOTE [Simulator] in tba/simulator/engine.py), and the closed-form peak;
+  (NOTE [Simulator] in tba/decide/simulator/engine.py), and the closed-form peak;
 - ``recommend``: the recommended K, the bandwidth needed, recompute, the plan as a dict;
 - ``mix``: keep, offload or recompute per block by the runtime's chooser (NOTE [Planner mix]);
 - ``render``: the tables; ``projections``: the 7B-on-H100 tables; ``command``: `tba plan`.
@@ -17,7 +17,7 @@ Modules, in the order a plan is made:
 
 from __future__ import annotations
 
-from ..simulator import Saved, SimResult
+from ..decide.simulator import Saved, SimResult
 from .command import build, run_cli
 from .inputs import ALIGN, DTYPES, GB, Hardware, Knobs, PlanInputError, setup_for
 from .mix import budget_for, costs, make_mix

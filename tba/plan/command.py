@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from ..chooser import EXHAUSTIVE_BLOCKS
+from ..decide.chooser import EXHAUSTIVE_BLOCKS
 from .inputs import GB, Hardware, Knobs, PlanInputError
 from .mix import make_mix
 from .projections import (
@@ -170,7 +170,7 @@ def _mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None) -> dict[st
     if w.blocks > EXHAUSTIVE_BLOCKS:
         print(
             f"tba plan: choosing keep/offload/recompute for {w.blocks} blocks by a local search "
-            "(tba.chooser); with tens of large blocks this takes minutes",
+            "(tba.decide.chooser); with tens of large blocks this takes minutes",
             file=sys.stderr,
         )
     return make_mix(w, hw, knobs, budget)

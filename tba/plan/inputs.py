@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..simulator import Setup
+from ..decide.simulator import Setup
 
 GB = 1e9
 ALIGN = 4096  # tba's extents and staging blocks are aligned to this
@@ -86,7 +86,7 @@ class Knobs:
 
 def setup_for(hw: Hardware, knobs: Knobs) -> Setup:
     """The simulator's setup for this machine and these settings (NOTE [Simulator] in
-    tba/simulator/engine.py): every rate and limit as given, tba's extent alignment, and the
+    tba/decide/simulator/engine.py): every rate and limit as given, tba's extent alignment, and the
     read-ahead window tba's DepthController would size within ``prefetch_bytes``."""
     return Setup(
         write_bps=hw.write_rate,

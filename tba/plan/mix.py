@@ -1,6 +1,6 @@
 """The keep/offload/recompute mix of `tba plan`: the runtime's chooser of ``TBA_POLICY=auto``
-(NOTE [Chooser] in tba/chooser.py) run on the planner's workload, next to keep-all and
-checkpoint-all as the same :func:`tba.chooser.predict` replays them.
+(NOTE [Chooser] in tba/decide/chooser.py) run on the planner's workload, next to keep-all and
+checkpoint-all as the same :func:`tba.decide.chooser.predict` replays them.
 
 # NOTE [Planner mix]
 The planner hands the chooser what the runtime measures, per group in forward order: forward
@@ -19,11 +19,11 @@ TBA_MEMORY_BUDGET bounds. The budget: ``--budget`` read as TBA_MEMORY_BUDGET is,
 record a block's input bytes, so it has no mix.
 
 With the model's shape the chooser may also give a block ``selective`` (NOTE [Selective
-recompute] in tba/selective.py): it is charged the bytes of the layer's saved products as kept
-until its backward, and a recompute of the share of the layer's forward that is not those
-products (by the shape's op placement: the GEMMs by FLOPs, the other ops 10% of the layer).
-At run time tba measures both (NOTE [Selective recompute cost] in tba/autopolicy.py); here they
-are the shape's arithmetic, and the Python dispatch mode's cost per op is not counted.
+recompute] in tba/datapath/blocks/selective.py): it is charged the bytes of the layer's saved
+products as kept until its backward, and a recompute of the share of the layer's forward that is not
+those products (by the shape's op placement: the GEMMs by FLOPs, the other ops 10% of the layer).
+At run time tba measures both (NOTE [Selective recompute cost] in tba/decide/block_policy.py); here
+they are the shape's arithmetic, and the Python dispatch mode's cost per op is not counted.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import itertools
 import math
 from typing import Any
 
-from .._config_values import _budget
-from ..autopolicy import DEFAULT_BUDGET_SHARE
-from ..budget import allowed_bytes, describe
-from ..chooser import Cost, Prediction, choose, predict
+from ..config.values import _budget
+from ..decide.block_policy import DEFAULT_BUDGET_SHARE
+from ..decide.budget import allowed_bytes, describe
+from ..decide.chooser import Cost, Prediction, choose, predict
 from ..errors import ValueParseError
 from .inputs import Hardware, Knobs, PlanInputError
 from .shape import ModelShape, _op_spans

@@ -179,8 +179,8 @@ def render_mix_projections(rows: list[dict[str, Any]]) -> str:
     )
     return "\n".join(
         [
-            "Projections, not measurements: the chooser of TBA_POLICY=auto (tba.chooser, a local "
-            "search over the 32 blocks) on the 7B Llama shape at micro-batch 1 and "
+            "Projections, not measurements: the chooser of TBA_POLICY=auto (tba.decide.chooser, a "
+            "local search over the 32 blocks) on the 7B Llama shape at micro-batch 1 and "
             f"{H100_FLOPS / 1e12:.0f} TFLOP/s (assumptions as in --projections), drives striped, "
             f"write and read at the rate given each; budget {r0['budget_source']}; peaks are "
             "resident saved bytes.",

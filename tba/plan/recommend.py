@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..simulator import SimResult, offloadable
+from ..decide.simulator import SimResult, offloadable
 from .inputs import ALIGN, GB, Hardware, Knobs
 from .simulation import peak_formula, simulate
 from .trace import median

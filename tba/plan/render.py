@@ -139,7 +139,7 @@ def mix_lines(m: dict[str, Any]) -> list[str]:
     search = "exhaustive" if m["search"] == "exhaustive" else "a local search, not exhaustive"
     lines = [
         "mix:      keep, offload, recompute or selective per block, as TBA_POLICY=auto chooses "
-        "(tba.chooser)",
+        "(tba.decide.chooser)",
         f"search:   {search}: {m['searched']:,} assignments simulated",
         f"model:    the runtime's: {format_size(m['staging_bytes'])} of staging (a full one "
         f"waits, as under auto), a {format_size(m['prefetch_bytes'])} read-ahead window, no "

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..simulator import Saved
+from ..decide.simulator import Saved
 from .inputs import PlanInputError
 
 LLAMA_FFN_RATIO = 11008 / 4096  # Llama 1/2 7B: ffn 11008 = 2/3·4h rounded up to 256

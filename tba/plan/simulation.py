@@ -1,4 +1,4 @@
-"""The planner's runs of the shared simulator (NOTE [Simulator] in tba/simulator/engine.py):
+"""The planner's runs of the shared simulator (NOTE [Simulator] in tba/decide/simulator/engine.py):
 steps back to back until the steady state, and the closed-form peak next to it.
 
 # NOTE [Planner steps]
@@ -13,7 +13,7 @@ kept for lack of staging come on top, which only the simulation sees.
 
 from __future__ import annotations
 
-from ..simulator import Engine, SimResult, offloadable
+from ..decide.simulator import Engine, SimResult, offloadable
 from .inputs import Hardware, Knobs, PlanInputError, setup_for
 from .workload import Workload
 

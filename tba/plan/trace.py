@@ -1,4 +1,5 @@
-"""A step from a TBA_TRACE file of a real run (schema version 1, written by tba/trace.py)."""
+"""A step from a TBA_TRACE file of a real run (schema version 1, written by
+tba/datapath/trace.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ..simulator import Saved, pieces
+from ..decide.simulator import Saved, pieces
 from .inputs import PlanInputError
 from .workload import Group, Workload
 
@@ -45,7 +46,7 @@ def read_trace(path: str) -> tuple[Workload, TraceInfo]:
     an offloaded block); the rest of its ``kept_bytes`` was kept for lack of staging or disk.
     An offloaded group that is not a block keeps only small tensors. Offloadable bytes are cut
     into pieces of at most 16 MiB, produced and used evenly over the group's time, as the
-    runtime's adaptive keep cuts the same records (:func:`tba.simulator.pieces`). When the
+    runtime's adaptive keep cuts the same records (:func:`tba.decide.simulator.pieces`). When the
     groups are numbered as tba numbers them with a model (blocks odd, the groups between
     blocks empty), only the odd ones count as blocks for K; otherwise every group does.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..simulator import Saved, kept_from
+from ..decide.simulator import Saved, kept_from
 from .inputs import Hardware, PlanInputError
 from .shape import ModelShape, head_tensors, layer_flops, layer_tensors
 
@@ -36,7 +36,7 @@ class Workload:
 
     def kept_from(self, keep: int) -> int:
         """The first group kept resident with keep-last ``keep`` (tba's rule, ``kept_from`` in
-        tba/simulator/rules.py: the last ``keep`` blocks and every group after the first)."""
+        tba/decide/simulator/rules.py: the last ``keep`` blocks and every group after the first)."""
         return kept_from([g.block for g in self.groups], keep)
 
     def kept_flags(self, keep: int) -> list[bool]:

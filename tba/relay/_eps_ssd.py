@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .._memory import as_memoryview
 from ..errors import CapacityError
+from ..host.memory import as_memoryview
 from ..storage.base import Backend, Extent
 from ._eps import EPS, Fetched, LayerEntry, OptimizerFactory, empty_like_param
 from ._layers import Layers

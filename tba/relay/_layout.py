@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._memory import PAGE, align_up, aligned_empty
+from ..host.memory import PAGE, align_up, aligned_empty
 
 __all__ = ["DEVICE_TENSOR_ALIGN", "FlatLayout", "TENSOR_ALIGN", "alloc", "tensor_align"]
 
@@ -83,7 +83,7 @@ class FlatLayout:
 
 def alloc(nbytes: int, device: torch.device, align: int = PAGE, pin: bool = False) -> torch.Tensor:
     """A flat uint8 buffer: page-aligned host memory (its own mapping from 1 MiB, returned to
-    the kernel when it dies; see tba._memory.aligned_empty; page-locked with ``pin``) or device
+    the kernel when it dies; see tba.host.memory.aligned_empty; page-locked with ``pin``) or device
     memory."""
     if device.type == "cpu":
         return aligned_empty(nbytes, align, pin=pin)

@@ -22,8 +22,8 @@ from concurrent.futures import Future
 
 import torch
 
-from .._memory import align_up, as_memoryview
 from ..errors import CapacityError
+from ..host.memory import align_up, as_memoryview
 from ..storage.base import Backend, Extent
 from ._layout import alloc
 from ._meter import Meter

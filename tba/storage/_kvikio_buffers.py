@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._memory import as_memoryview
+from ..host.memory import as_memoryview
 from .checksum import Digest
 
 

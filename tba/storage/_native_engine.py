@@ -17,8 +17,8 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from .._memory import address_of
 from ..errors import StorageError, hint_for
+from ..host.memory import address_of
 from ._native_lib import _P, NativeUnavailable, _Completion, _Config, _Info, _name
 from .checksum import mismatch_hint
 from .filebackend import _release

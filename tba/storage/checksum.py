@@ -6,7 +6,7 @@ extension, else crc32 (zlib, always there, about 1 GiB/s). ``off`` turns checksu
 
 A digest may cover only part of a buffer (``span``): a direct capture writes whole pages around
 a tensor, and only the tensor's own bytes are guarded by its version check (NOTE [Direct
-capture] rule 3 in tba/staging.py), so only they are checksummed.
+capture] rule 3 in tba/datapath/capture/staging.py), so only they are checksummed.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .._memory import address_of, aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, hint_for
+from ..host.memory import address_of, aligned_empty, as_memoryview
 from .base import Extent, Span
 from .checksum import Digest, checksum_fn, digest_for, mismatch_hint
 from .nodequota import NodeQuota

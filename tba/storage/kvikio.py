@@ -59,9 +59,9 @@ from typing import Any
 
 import torch
 
-from .._memory import aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, TBAError, hint_for, internal_error
+from ..host.memory import aligned_empty, as_memoryview
 from ._kvikio_api import _configure, _describe, _errno_of, _facts, _load, _part, kvikio_status
 from ._kvikio_buffers import _CudaBytes, _device_view, _host_bytes, _host_view, _via_host
 from .base import Extent, Span
@@ -382,6 +382,7 @@ class KvikioBackend(SlabBackend):
 
 def _whole(span: Span) -> None:
     """Device buffers are staging blocks or read buffers, checksummed whole: a partial span
-    belongs only to direct captures of CPU tensors (NOTE [Direct capture] in tba/staging.py)."""
+    belongs only to direct captures of CPU tensors (NOTE [Direct capture] in
+    tba/datapath/capture/staging.py)."""
     if span is not None:
         raise internal_error("storage", f"a checksum span {span} for a device buffer")

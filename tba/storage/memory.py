@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .._memory import PAGE, aligned_empty, as_memoryview
 from ..config import Config
 from ..errors import StorageError, internal_error
+from ..host.memory import PAGE, aligned_empty, as_memoryview
 from .base import Extent, Span
 from .checksum import checksum_fn, digest_for, mismatch_hint
 from .ratelimit import DIRECTIONS, check_rate, format_rate

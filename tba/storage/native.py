@@ -36,9 +36,9 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from .._memory import address_of
 from ..config import Config, format_size
 from ..errors import StorageError, hint_for
+from ..host.memory import address_of
 from ._native_engine import _Engine, _release_native, _Request
 from ._native_lib import (
     _IO_URING,

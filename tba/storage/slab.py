@@ -22,9 +22,9 @@ NOTE [Slabs]
    update, ``reasons.kept_reason_for``: "spill_dir_gone" (ENOENT: the directory was removed),
    "permission", "read_only" or "io_error"; ``refusal_detail`` says what refused, with the
    numbers or the errno, and the fix. A refusal is logged here at debug level only: the one
-   warning a user sees per cause is the caller's (the offloader's Writer.stop in tba/write.py,
-   once per reason, quoting ``refusal_detail``; the relay raises CapacityError). A warning
-   here too said the same thing twice, and again at every refused growth.
+   warning a user sees per cause is the caller's (the offloader's Writer.stop in
+   tba/datapath/write.py, once per reason, quoting ``refusal_detail``; the relay raises
+   CapacityError). A warning here too said the same thing twice, and again at every refused growth.
 6. Giving back (NOTE [Node quota] 6): when a free empties a slab, and once a second from the
    ``tba-node-quota`` thread, a slab set holding empty slabs asks the ledger how much it holds
    over its share while a rank below its share wants space, and closes that much of its empty
@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable
 
 from ..errors import StorageError, hint_for, internal_error
-from ..reasons import kept_reason_for
+from ..records.reasons import kept_reason_for
 from .alloc import ExtentAllocator
 from .base import Extent
 from .nodequota import NodeQuota

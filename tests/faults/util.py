@@ -305,7 +305,7 @@ def train_step(off: tba.Offloader, model: nn.Module, x: torch.Tensor) -> dict:
     loss.backward()
     off.synchronize()
     st = off.stats()
-    # NOTE [Counted once] in tba/reasons.py holds under faults too.
+    # NOTE [Counted once] in tba/records/reasons.py holds under faults too.
     ends = st["tensors_offloaded"] + st["tensors_kept"] + st["dedup_hits"]
     assert ends + st["recomputed_tensors"] == st["packs"], st
     assert sum(st["kept_reasons"].values()) == st["tensors_kept"], st

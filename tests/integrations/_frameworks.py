@@ -93,7 +93,7 @@ def megatron_cpu(tmp_path):
         parallel_state.destroy_model_parallel()
 
 
-# -- block policies (NOTE [Block policy] in tba/recompute.py) -------------------------------------
+# -- block policies (NOTE [Block policy] in tba/datapath/blocks/recompute.py) ----------------------
 # Alternate blocks, as TBA_BLOCK_POLICY / Config(block_policy=...) force them; a model with fewer
 # blocks takes the first ones, and with keep_last 0 a block not named is offloaded.
 MIXED = ("recompute", "offload", "selective", "offload")

@@ -1,5 +1,5 @@
-"""torch.compile with tba (NOTE [Compiled regions] in tba/groups.py): the same graphs as
-without tba, counted with dynamo's own counters, bit-identical losses and gradients, no
+"""torch.compile with tba (NOTE [Compiled regions] in tba/datapath/blocks/groups.py): the same
+graphs as without tba, counted with dynamo's own counters, bit-identical losses and gradients, no
 recompilation from step to step, per-block compiled models grouped by block, block actions
 (TBA_POLICY=recompute, auto, keep) applied where tba sees the blocks and said once where it
 cannot, and the combinations that cannot work refused with tba's message."""
@@ -75,7 +75,7 @@ def _train(make, off=None, model_for_step=True, sync=True, rows=16, stats=None):
                     # every write lands before the forward ends, so the read-ahead finds each
                     # original dead and backward reads from disk; a write still running when the
                     # forward ends is served from its own memory instead (NOTE [Forwarding] in
-                    # tba/scheduler.py), which made bytes_reloaded 0 in some runs
+                    # tba/datapath/prefetch.py), which made bytes_reloaded 0 in some runs
                     off.synchronize()
         loss.backward()
         if stats is not None:
@@ -207,9 +207,9 @@ COMPILES = {
 @pytest.mark.parametrize("policy", ["recompute", "selective", "auto"])
 def test_compiled_model_with_block_actions(tmp_path, policy, compiled):
     # recompute wraps each block's forward for the step (NOTE [Block policy] in
-    # tba/recompute.py). Traced inside a compiled region, the wrapper is the plain forward: the
-    # same graphs, no break, no "marked as skipped" under fullgraph, and tba says once that no
-    # block is recomputed and how to compile so that they are. Per-block compile recomputes.
+    # tba/datapath/blocks/recompute.py). Traced inside a compiled region, the wrapper is the plain
+    # forward: the same graphs, no break, no "marked as skipped" under fullgraph, and tba says once
+    # that no block is recomputed and how to compile so that they are. Per-block compile recomputes.
     make, by_block = COMPILES[compiled]
     ref = _train(make)
     cfg = tba.Config(
@@ -289,7 +289,7 @@ _FULLGRAPH_CHILD = """
 import sys, tempfile, torch
 sys.path.insert(0, {root!r})
 import tba, tba.integrations
-from tba.hook import COMPILED_STEP
+from tba.datapath.hook import COMPILED_STEP
 from tests.integrations.test_compile import _train
 with tba.Offloader(tba.Config(spill_dir=tempfile.mkdtemp(dir={tmp!r}), min_offload_bytes=1,
                               keep_last=0, coalesce_bytes=0)) as off:

@@ -96,7 +96,7 @@ def test_env_only_and_kill_switch(tmp_path, monkeypatch):
     assert cb.offloader is None and cb.last_stats is None
 
 
-# -- block policies (NOTE [Block policy] in tba/recompute.py) ------------------------------------
+# -- block policies (NOTE [Block policy] in tba/datapath/blocks/recompute.py) ----------------------
 def _policy_callback(tmp_path, **policy):
     from tba.config import Config
     from tba.integrations.hf import OffloadCallback

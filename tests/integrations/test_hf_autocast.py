@@ -1,6 +1,7 @@
 """Real transformers models (random init from small configs) under bf16 autocast: the weight
 casts they save are recomputed, never written (NOTE [Weight-derived tensors] in
-tba/derived.py), and losses and gradients stay bit-identical to the same autocast without tba."""
+tba/datapath/capture/derived.py), and losses and gradients stay bit-identical to the same autocast
+without tba."""
 
 from __future__ import annotations
 

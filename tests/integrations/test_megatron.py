@@ -251,7 +251,7 @@ def test_env_only(megatron, tmp_path, monkeypatch):
     assert tba_mg.offloader(wrapped) is None
 
 
-# -- block policies (NOTE [Block policy] in tba/recompute.py) ------------------------------------
+# -- block policies (NOTE [Block policy] in tba/datapath/blocks/recompute.py) ----------------------
 TBA_FLAGS = ("--tba-activation-offload", "--tba-keep-last", "0", "--tba-min-offload-bytes", "1")
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tba._memory import aligned_empty, as_memoryview
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.storage.native import engine_status
 
 _NATIVE = ["native"] if engine_status()["built"] else []

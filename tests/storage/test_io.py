@@ -8,8 +8,8 @@ import zlib
 import pytest
 from storage_util import empty, filled
 
-from tba._memory import aligned_empty, as_memoryview
 from tba.errors import ConfigError, StorageError, TBAError
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.storage import Backend, Extent
 from tba.storage.checksum import checksum_fn
 

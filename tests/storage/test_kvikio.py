@@ -582,7 +582,7 @@ def test_dropped_backend_releases_its_files(make_cfg, no_cuda):
 
 
 def test_host_tensors_are_accepted(open_kv):
-    from tba._memory import aligned_empty
+    from tba.host.memory import aligned_empty
 
     b, _ = open_kv()
     ext = b.allocate(8192)

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from storage_util import empty, filled
 
-from tba._memory import aligned_empty, as_memoryview
 from tba.errors import StorageError
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.storage import Backend
 from tba.storage.native import NativeBackend, NativeUnavailable, engine_status
 from tba.storage.posix import PosixBackend
@@ -597,7 +597,7 @@ def test_buffer_larger_than_memlock(make_cfg):
 
 _NO_IPC_LOCK = """
 import ctypes, json, sys
-from tba._memory import aligned_empty, as_memoryview
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.config import Config
 from tba.storage.native import NativeBackend
 

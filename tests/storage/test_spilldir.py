@@ -227,7 +227,7 @@ def test_sigkill_leaves_only_an_empty_dir_that_the_next_process_sweeps(tmp_path,
     script = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
-from tba._memory import aligned_empty, as_memoryview
+from tba.host.memory import aligned_empty, as_memoryview
 from tba.config import Config
 from tba.storage import open_backend
 b = open_backend(Config(spill_dir={str(root)!r}, slab_bytes="1MiB", min_free_bytes=0,

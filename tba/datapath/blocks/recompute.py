@@ -1,0 +1,187 @@
+"""Block-level recompute: tba runs a block under activation checkpointing for one step.
+
+# NOTE [Block policy]
+Each block of a step (NOTE [Groups] in tba/datapath/blocks/groups.py) gets one action: ``keep`` (its
+saved tensors stay resident), ``offload`` (written to disk, read back ahead of backward) or
+``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it
+saves is dropped after its forward and computed again in backward), or ``recompute_offload``
+(recomputed too, but the inputs its checkpoint saves are offloaded like any saved tensor
+instead of kept: DELTA's swap of the checkpoints, for when even those do not fit the budget
+and the disk has the time). ``TBA_POLICY`` picks the
+actions (offload: the last ``TBA_KEEP_LAST`` blocks kept, the others offloaded, as before;
+recompute, keep: every block; auto: the chooser, NOTE [Chooser] in tba/decide/chooser.py), and
+``TBA_BLOCK_POLICY`` forces some blocks. A group between or after blocks follows the block
+before it when that block is kept, and is offloaded otherwise (it cannot be recomputed).
+How recompute is done, and why it is exact:
+
+1. The wrapper is installed when the step's forward starts, as an instance attribute
+   ``forward`` of the block, and removed when the forward ends (the model's code does not
+   change; an instance ``forward`` the block already had is put back). tba's forward pre-hook
+   and forward hook run around it, outside the checkpoint.
+2. Autograd consults only the innermost ``saved_tensors_hooks``. Checkpoint saves the block's
+   inputs first, under tba's hooks (so tba packs them, in the block's group, and keeps them
+   resident: kept reason ``recompute``, what a checkpointed block costs; with
+   ``recompute_offload`` it offloads them, and backward's recompute unpacks them from disk
+   first), then pushes its own
+   hook for the forward: nothing the block saves reaches tba's pack. In backward the
+   recompute runs under checkpoint's recomputation hook, also innermost, so its saves never
+   reach tba either, even when a tba step is active in that thread.
+3. ``preserve_rng_state=True``: checkpoint stashes the CPU (and device) RNG state before the
+   forward and restores it for the recompute inside ``fork_rng``, so dropout masks match bit
+   for bit and the caller's RNG stream is the same as without recompute.
+4. A block the user already checkpoints is left as it is: when the block is entered and the
+   innermost saved-tensors hooks are not tba's (the user's checkpoint, ``save_on_cpu``, or a
+   recompute in backward), or grad is off (a reentrant checkpoint, such as megatron-core's
+   ``recompute_granularity="full"``, runs the block without grad and pushes no hooks), or
+   the block is a transformers layer with ``gradient_checkpointing`` on (transformers 5
+   checkpoints the class's ``forward`` inside the call, after the module hooks, so no
+   checkpoint runs yet when the block is entered), the wrapper calls the plain forward and
+   the block's action is recorded as ``user``.
+5. While the checkpointed forward runs, a hook chained over checkpoint's own (pack: count,
+   then checkpoint's pack; unpack: checkpoint's) counts what the block saves, once per storage
+   per step and parameters excluded, into ``saved_bytes`` (what stays resident without tba)
+   and the group's ``hidden_bytes``: what the recompute brings back in backward.
+6. While dynamo traces the wrapper (the block runs inside a compiled region: a whole-model
+   ``torch.compile``, or ``block.compile()`` in place), it calls the plain forward at once and
+   reads nothing of tba, so the graphs are those of the model without tba (with
+   ``fullgraph=True`` too). Such a block is not recomputed: the region saves its tensors
+   itself, and tba sees no block start inside it. tba then warns once naming the fix and
+   groups that model by pack-order windows (NOTE [Compiled regions] in
+   tba/datapath/blocks/groups.py). The wrappers are still installed every step, so the compiled
+   code's guards on ``forward`` hold. Compile each block as a module of its own
+   (``model.layers[i] = torch.compile(model.layers[i])``) and the wrapper runs eagerly around
+   it: the block is recomputed, its recompute running the compiled block again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ...config import SELECTIVE
+from ...records.step import GroupStat, StepState
+from .selective import Selective, kept_by_selective
+
+USER = "user"  # the action recorded for a block someone else already checkpoints
+
+
+def foreign_hooks_innermost() -> bool:
+    """True when the innermost saved-tensors hooks are someone else's than tba's
+    (tba.datapath.hook.OffloadHooks): a checkpoint's, ``save_on_cpu``'s, a recompute's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return not getattr(getattr(top[0], "__self__", None), "tba_offload_hooks", False)
+
+
+def user_checkpointed(block: nn.Module | None) -> bool:
+    """True when the block entered now runs under someone else's checkpoint (item 4 of NOTE
+    [Block policy]): foreign saved-tensor hooks innermost, grad off (a reentrant checkpoint
+    pushes no hooks), or a transformers layer with gradient checkpointing on (transformers 5
+    checkpoints the class's ``forward`` inside the module call, so at the block's hooks no
+    checkpoint is running yet)."""
+    if foreign_hooks_innermost() or not torch.is_grad_enabled():
+        return True
+    return (
+        block is not None
+        and getattr(block, "gradient_checkpointing", False) is True
+        and block.training
+    )
+
+
+class Recompute:
+    """Installs and removes the recompute wrappers of a step's blocks (see the NOTE).
+
+    ``count(t, step)`` counts a tensor the checkpointed forward saves into ``step`` and returns
+    the bytes it added (0 for parameters and storages already counted); ``recomputing(step,
+    stat)`` is told when backward recomputes the block of ``stat``.
+    """
+
+    def __init__(
+        self,
+        count: Callable[[torch.Tensor, StepState], int],
+        recomputing: Callable[[StepState, GroupStat], None],
+        hold: Callable[[StepState, GroupStat, list[torch.Tensor]], list[Any]] | None = None,
+    ):
+        self.count = count
+        self.recomputing = recomputing
+        # charges the tensors a selective block keeps; returns what holds the charge
+        self.hold = hold or (lambda step, stat, ts: [])
+
+    def install(
+        self, block: nn.Module, where: Callable[[], tuple[Any, Any]], action: str = "recompute"
+    ) -> Callable[[], None]:
+        """Wrap ``block.forward``; ``where()`` gives the (StepState, GroupStat) of the block's
+        group when it runs; ``action`` is one of RECOMPUTED (``selective``: NOTE [Selective
+        recompute] in tba/datapath/blocks/selective.py). Returns the function that removes the
+        wrapper."""
+        had = "forward" in block.__dict__
+        prev = block.__dict__.get("forward")
+        inner = block.forward
+        owner = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return inner(*args, **kwargs)  # traced: the plain forward (item 6 of the NOTE)
+            step, stat = where()
+            if step is None or user_checkpointed(block):
+                return inner(*args, **kwargs)  # no grad, or the user's checkpoint: as it is
+            calls = [0]
+            sel = None
+            if action == SELECTIVE:
+                sel = Selective(lambda ts: owner.hold(step, stat, ts))
+                kwargs = {**kwargs, "context_fn": sel.contexts}
+
+            def run(*a: Any, **kw: Any) -> Any:
+                calls[0] += 1
+                if calls[0] > 1:  # backward: the recompute (its saves are checkpoint's)
+                    if sel is not None:
+                        sel.release()  # from here on counted as what the recompute brings back
+                    owner.recomputing(step, stat)
+                    t0 = time.perf_counter()
+                    try:
+                        return inner(*a, **kw)
+                    finally:  # checkpoint may stop it early, by raising: timed all the same
+                        stat.recompute_seconds += time.perf_counter() - t0
+                out = owner._counted(inner, step, stat, a, kw, sel)
+                if sel is not None:
+                    sel.settle()
+                return out
+
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+        block.forward = forward
+
+        def remove() -> None:
+            if block.__dict__.get("forward") is not forward:
+                return  # someone replaced it since: leave theirs
+            if had:
+                block.forward = prev
+            else:
+                del block.__dict__["forward"]
+
+        return remove
+
+    def _counted(self, fn, step: StepState, stat: GroupStat, args, kwargs, sel=None) -> Any:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:  # pragma: no cover - checkpoint always pushes its hook
+            return fn(*args, **kwargs)
+        pack, unpack = top
+        count = self.count
+
+        def counting(t: torch.Tensor) -> Any:
+            added = count(t, step)
+            stat.hidden_bytes += added
+            if added and kept_by_selective(t):  # what selective would keep of it
+                stat.cacheable_bytes += added
+            if sel is not None:
+                sel.saw(t)
+            return pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(counting, unpack):
+            return fn(*args, **kwargs)

@@ -1,0 +1,199 @@
+"""Weight-derived saved tensors: recognised at pack, rebuilt from their parameter at unpack.
+
+NOTE [Weight-derived tensors]
+Under ``torch.autocast`` a ``Linear`` saves the low-precision cast of its weight (``W16.t()``,
+``W16 = W.to(bfloat16)``). It is not a parameter, so the parameter filter (tba/decide/keep.py)
+misses it, and without this rule it is written to disk every micro-batch although it is a
+function of ``W`` alone. Such a tensor is recomputed at unpack instead. The rules:
+
+1. *What qualifies.* ``t`` saved by autograd with ``B = t._base or t`` (the tensor that owns
+   ``t``'s storage) such that ``B.grad_fn`` is a materialising copy (``ToCopyBackward0``:
+   ``.to(dtype)``, autocast's cast; ``CloneBackward0``: ``clone``, ``contiguous``), whose one
+   input reaches, through view nodes only (``t()``, ``transpose``, ``permute``, slicing,
+   ``view``, ...), the ``AccumulateGrad`` of a parameter (a ``nn.Parameter``, or a tensor of
+   the model given to ``step()``) on the same device. The graph says this and nothing else
+   can: an in-place op on ``B`` under grad mode replaces ``B.grad_fn``, and one under
+   ``no_grad`` bumps the version counter, so ``t._version`` must still be 0. Recognising costs
+   one ``grad_fn`` lookup for every other saved tensor (activations fail at the first test):
+   under 1 us, and one more GC-tracked object per saved tensor, the producer node's Python
+   object, which autograd keeps as long as the node (benchmarks/bench_hotpath.py counts it).
+2. *The recipe.* The view nodes are replayed on the detached parameter once, at pack, to learn
+   the geometry (size, stride, storage offset) of the copy's input in the parameter's storage.
+   At unpack: an empty tensor with ``B``'s size and strides, ``copy_`` from that view of the
+   parameter (what ``_to_copy`` and ``clone`` themselves do, so the values are the same bits),
+   then ``t``'s view of it. Nothing is held but the parameter, which autograd's
+   ``AccumulateGrad`` holds anyway.
+3. *Guards.* ``t``'s version counter is witnessed (NOTE [Version witness] in tba/records/handle.py),
+   so an edit of the saved tensor raises as stock PyTorch does. The parameter's version at pack is
+   compared at every unpack: an in-place change of the parameter between forward and backward
+   (``optimizer.step()`` too early, ``W.add_()`` under ``no_grad``) raises the same in-place
+   error that autograd raises for a saved parameter in full precision, where stock autocast
+   would silently use the stale cast. A parameter whose storage was replaced or resized
+   (``W.data = ...``, sharded parameters gathered and freed) raises ``tba.UnpackError``
+   naming ``TBA_RECOMPUTE_WEIGHTS=0``, which turns this rule off.
+4. *Boundary.* Only tensors whose graph links them to a parameter: a frozen parameter
+   (``requires_grad=False``) has no ``AccumulateGrad``, so its casts are offloaded as before.
+   A parameter edited in place after its cast was made and before that cast is saved (a cast
+   reused from autocast's cache across such an edit) is not detected; stock autocast then
+   computes with the stale cast, tba with the new weights. Writes through ``.data`` bypass
+   version counters here as everywhere (README, "In-place checks").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import UnpackError, modified_error
+from ...records.handle import witness
+
+_MATERIALISE = frozenset({"ToCopyBackward0", "CloneBackward0"})
+# View nodes replayed from their saved arguments; SIZED ones take the next node's input size.
+_VIEWS = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "AliasBackward0",
+    }
+)
+_SIZED = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "ReshapeAlias0"})
+_ACC = "AccumulateGrad"
+_MAX_VIEWS = 8
+
+_MATERIAL_TYPES: dict[type, bool] = {}  # grad_fn class -> is a materialising copy
+
+
+def _materialises(node: Any) -> bool:
+    tp = type(node)
+    hit = _MATERIAL_TYPES.get(tp)
+    if hit is None:
+        hit = _MATERIAL_TYPES[tp] = tp.__name__ in _MATERIALISE
+    return hit
+
+
+class Derived:
+    """What the pack hook hands autograd for a weight-derived tensor: how to rebuild it from
+    its parameter, and the versions that must not have moved (NOTE [Weight-derived tensors])."""
+
+    __slots__ = ("param", "pversion", "pkey", "src", "base", "view", "dtype", "version")
+    __slots__ += ("witness", "nbytes")
+
+    def __init__(self, param: torch.Tensor, src: tuple, base: torch.Tensor, t: torch.Tensor):
+        self.param = param
+        self.pversion = param._version
+        self.pkey = _param_key(param)
+        self.src = src  # (size, stride, storage_offset) of the copy's input in param's storage
+        self.base = (base.shape, base.stride())
+        self.dtype = base.dtype
+        same = t is base
+        self.view = None if same else (t.shape, t.stride(), t.storage_offset())
+        self.version = t._version
+        self.witness = witness(t)
+        self.nbytes = base.untyped_storage().nbytes()
+
+    def rebuild(self) -> torch.Tensor:
+        """The saved tensor, computed again from the parameter (after the guards)."""
+        now = self.witness._version
+        if now != self.version:
+            size = self.view[0] if self.view is not None else self.base[0]
+            raise modified_error(size, self.dtype, now, self.version)
+        p = self.param
+        if p._version != self.pversion:
+            raise modified_error(p.shape, p.dtype, p._version, self.pversion, what="parameter")
+        if _param_key(p) != self.pkey:
+            raise UnpackError(
+                "tba.unpack: a saved tensor derived from a parameter of shape "
+                f"{list(self.pkey[2])} is recomputed from it at backward, but that parameter's "
+                "storage was replaced or resized since the forward (param.data = ..., or a "
+                "sharded parameter freed). Keep parameters in place between forward and "
+                "backward, or set TBA_RECOMPUTE_WEIGHTS=0 to offload such tensors instead."
+            )
+        with torch.no_grad():
+            out = torch.empty_strided(*self.base, dtype=self.dtype, device=p.device)
+            out.copy_(p.detach().as_strided(*self.src))
+        if self.view is not None:
+            out = out.as_strided(*self.view)
+        return out
+
+
+def _param_key(p: torch.Tensor) -> tuple:
+    s = p.untyped_storage()
+    return (s._cdata, s.nbytes(), p.shape, p.stride(), p.storage_offset(), p.dtype)
+
+
+def derived(t: torch.Tensor, param_storages: frozenset[int]) -> Derived | None:
+    """A :class:`Derived` recipe when ``t`` is computed from a parameter alone by a cast or a
+    copy and views (NOTE [Weight-derived tensors], rule 1), else None."""
+    base = t._base
+    b = t if base is None else base
+    node = b.grad_fn
+    if node is None or not _materialises(node):
+        return None
+    if t._version or b.storage_offset() or b.is_complex() or b.layout is not torch.strided:
+        return None
+    views: list[Any] = []
+    nxt = node.next_functions
+    while True:
+        if len(nxt) != 1 or nxt[0][0] is None:
+            return None
+        node = nxt[0][0]
+        name = type(node).__name__
+        if name == _ACC:
+            break
+        if (name not in _VIEWS and name not in _SIZED) or len(views) == _MAX_VIEWS:
+            return None
+        views.append(node)
+        nxt = node.next_functions
+    p = node.variable
+    if p.device != b.device or p.layout is not torch.strided:
+        return None
+    if not isinstance(p, torch.nn.Parameter) and p.untyped_storage()._cdata not in param_storages:
+        return None
+    try:
+        src = _replay(p.detach(), views, b.shape)
+    except RuntimeError:  # a view that does not replay as recorded: not recognised
+        return None
+    if src is None or src.shape != b.shape:
+        return None
+    return Derived(p, (src.shape, src.stride(), src.storage_offset()), b, t)
+
+
+def _replay(v: torch.Tensor, views: list[Any], out_shape: torch.Size) -> torch.Tensor | None:
+    """The view nodes (outermost first in ``views``) applied to ``v`` from the parameter out."""
+    for i in range(len(views) - 1, -1, -1):
+        node = views[i]
+        name = type(node).__name__
+        if name in _SIZED:  # its output size: the input size of the next node out, or B's
+            size = out_shape if i == 0 else getattr(views[i - 1], "_saved_self_sym_sizes", None)
+            if size is None:
+                return None
+            v = v.expand(size) if name == "ExpandBackward0" else v.view(size)
+        elif name == "TBackward0":
+            v = v.t()
+        elif name == "TransposeBackward0":
+            v = v.transpose(node._saved_dim0, node._saved_dim1)
+        elif name == "PermuteBackward0":
+            v = v.permute(node._saved_dims)
+        elif name == "SliceBackward0":
+            start, end, step = node._saved_start, node._saved_end, node._saved_step
+            v = torch.ops.aten.slice.Tensor(v, node._saved_dim, start, end, step)
+        elif name == "SelectBackward0":
+            v = v.select(node._saved_dim, node._saved_index)
+        elif name == "UnsqueezeBackward0":
+            v = v.unsqueeze(node._saved_dim)
+        elif name == "AliasBackward0":
+            v = v.alias()
+        else:  # SqueezeBackward*: the output size is known, squeezing is a view to it
+            size = out_shape if i == 0 else getattr(views[i - 1], "_saved_self_sym_sizes", None)
+            if size is None:
+                return None
+            v = v.view(size)
+    return v

@@ -1,0 +1,378 @@
+"""`tba.Offloader`: builds the parts of the data path from a Config and runs them step by step.
+
+The parts, top to bottom (README, "How the code is laid out"): the hook (tba/datapath/hook.py) hands
+each saved tensor to the Packer (tba/datapath/pack.py) and each unpack to the Reader
+(tba/datapath/unpack.py); both work through the shared I/O state (tba/datapath/io.py) on the index
+(tba/records/index.py), entries (tba/records/entry.py), coalescing, staging, device adapters and a
+storage backend. This class owns their lifetimes, the step boundaries, and what is measured and
+published between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import Config
+from ..decide.adaptive import DepthController, KeepController, adapt
+from ..decide.block_policy import DEFAULT_BUDGET_SHARE, PolicyController
+from ..decide.budget import allowed_bytes
+from ..decide.budget import decision as budget_decision
+from ..decide.keep import Policy
+from ..errors import UsageError
+from ..metrics import RankMetrics
+from ..records.index import Index
+from ..records.step import StepState
+from .blocks.groups import GroupTracker
+from .blocks.recompute import Recompute
+from .capture.dtensor import plain
+from .hook import EagerScope, OffloadHooks
+from .io import IO, check_host_memory
+from .pack import Packer
+from .prefetch import Prefetcher
+from .trace import TraceWriter
+from .unpack import Reader
+
+log = logging.getLogger("tba")
+
+
+class Offloader:
+    """Offloads the tensors autograd saves during ``with off.step(): ...`` to local disk.
+
+    Long-lived: it owns the spill files, the staging pool and the I/O threads. Use one per
+    process (or per model) and call :meth:`close` at the end, or use it as a context manager.
+    """
+
+    def __init__(self, config: Config | None = None, **overrides: Any):
+        if config is None:
+            config = Config(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        if config.sources.get("log_level") != "default":
+            log.setLevel(config.log_level)  # only when asked: the application owns logging
+        self.enabled = config.enabled
+        self.closed = False
+        self._steps = 0
+        self._current: StepState | None = None
+        self._last: StepState | None = None
+        self._active_thread: int | None = None
+        self.metrics: RankMetrics | None = None
+        if not self.enabled:
+            self.backend = None
+            return
+        from ..storage import open_backend
+
+        check_host_memory(config)  # before any file exists
+        self.backend = backend = open_backend(config)
+        try:
+            self.metrics = RankMetrics(config, backend)
+        except BaseException:
+            backend.close()
+            raise
+        self.keeper = KeepController(
+            config.keep_last,
+            config.prefetch_bytes,
+            budget=config.memory_budget,
+            bounded=config.policy == "auto",  # bounded by auto's default budget share
+        )
+        scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
+        self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
+        self.groups = GroupTracker(self.keeper.k, config.group_bytes)
+        self.groups.adaptive = self.keeper.auto
+        self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
+        self.index = Index(on_resident=self._peak)
+        self.io = IO(config, backend, self.index, self.metrics)
+        self.config = self.io.config  # as run: a budget's staging_full (tba/datapath/io.py)
+        self.reader = Reader(self.io, self.index, self.prefetcher)
+        self.prefetcher.start = self.reader.start_read  # the plan's reads
+        self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
+        self.packer = Packer(self.io, self.index, Policy(config.min_offload_bytes), self.groups)
+        self.policy = PolicyController(
+            config.policy,
+            config.block_policy,
+            staging=(self.config.staging_bytes, self.config.staging_full == "wait"),
+        )
+        self.groups.recompute = Recompute(
+            self.packer.count_hidden, self._recomputing, self.packer.hold_cached
+        )
+        self.groups.default_action = self.policy.default_action()
+        self.groups.policy = config.policy
+        self._logged_policy: list[str] | None = None
+        self._trace: TraceWriter | None = None
+        if config.trace:
+            meta = {"pid": os.getpid(), "rank": config.rank, "backend": backend.name}
+            meta.update(backend_reason=backend.reason, config=config.as_dict())
+            self._trace = TraceWriter(config.trace, meta)
+
+    # -- public surface -----------------------------------------------------------------------
+    def step(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager[Offloader]:
+        """Offload what autograd saves inside this block. Backward may run after it ends.
+
+        ``model`` lets tba take groups from its blocks (see NOTE [Groups] in
+        tba/datapath/blocks/groups.py); without it, groups are pack-order windows. Opening it in
+        code that torch.compile traces breaks the graph there (NOTE [Compiled regions]).
+        """
+        return EagerScope(self._step(model))
+
+    @contextlib.contextmanager
+    def _step(self, model: nn.Module | None) -> Iterator[Offloader]:
+        if not self.enabled:
+            yield self
+            return
+        if self.closed:
+            raise UsageError("tba.offloader: step() on a closed Offloader; create a new one.")
+        me = threading.get_ident()
+        with self.io.lock:
+            if self._active_thread is not None:
+                raise UsageError(
+                    "tba.offloader: step() is already active; steps do not nest. End the "
+                    "current `with off.step():` block before starting another."
+                )
+            self._active_thread = me
+            self.index.bury()
+            self._observe_last()
+            self._publish(settle=True)
+            self.io.trim()  # forward runs without last backward's spare read buffers
+            self.groups.keep_last = self.keeper.k
+            self.groups.assignment = self.policy.assignment()
+            self._steps += 1
+            st = StepState(self._steps)
+            self._current = st
+            self.metrics.track(st)
+            if model is not None:
+                self.packer.param_storages = _model_storages(model)
+            elif (
+                self.config.policy in ("recompute", "selective", "auto") or self.config.block_policy
+            ):
+                self.io.warn_once(
+                    "policy-without-model",
+                    f"tba.offloader: TBA_POLICY={self.config.policy} (like TBA_BLOCK_POLICY) acts "
+                    "on blocks, which come from the model: pass it, `with off.step(model):`. "
+                    "Without it, saved tensors are offloaded (TBA_POLICY=offload).",
+                )
+            self.groups.begin(st, model)
+        try:
+            with OffloadHooks(self.packer, self.reader, st):
+                yield self
+        finally:
+            with self.io.lock:
+                self.index.bury()
+                self.packer.seal_all()
+                self.groups.end()
+                if self.groups.lost_blocks:
+                    self.policy.blocks_lost(st.index)
+                self._log_policy(st)
+                st.finish_forward()
+                self._active_thread = None
+                self.packer.param_storages = frozenset()
+                self._last = st
+                if not self.depth.measured:  # NOTE [Memory budget]: the first step's window
+                    self.prefetcher.budget = self.depth.first(st.saved_bytes, self._room(st))
+                self.prefetcher.arm(st)
+                self._publish(settle=False)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the last step whose forward has ended (README, "stats()", for keys)."""
+        if not self.enabled:
+            return (self._last or StepState(0)).snapshot(0)
+        with self.io.lock:
+            self.index.bury()
+            self._publish(settle=False)  # the metrics' totals now include these numbers
+            out = (self._last or StepState(0)).snapshot(self.io.disk_in_use)
+            out["backend"] = self.backend.name
+            out["backend_reason"] = self.backend.reason
+            out["keep_last"] = self.keeper.k
+            out["keep_decision"] = dict(self.keeper.decision)
+            out["prefetch_decision"] = dict(self.depth.decision)
+            out["policy"] = self.config.policy
+            out["policy_decision"] = dict(self.policy.decision)
+            out["budget_decision"] = self._budget_decision()
+            out["resident_bytes"] = self.index.resident
+            out["prefetch_inflight_bytes"] = self.prefetcher.inflight
+            out["live_entries"] = len(self.io.live)
+            return out
+
+    def synchronize(self) -> None:
+        """Write what is still being coalesced, then wait for every write and read so far."""
+        if self.enabled:
+            with self.io.lock:
+                self.packer.seal_all()
+            self.io.drain()
+            with self.io.lock:
+                self.index.bury()
+
+    def close(self) -> None:
+        """Finish in-flight I/O, bring back what live graphs still need, close the files."""
+        if self.closed or not self.enabled:
+            self.closed = True
+            return
+        io = self.io
+        with io.lock:
+            self.closed = True
+            self.prefetcher.drop_plans()
+            self.packer.seal_all()
+        io.drain()
+        with io.lock:
+            self.reader.read_back_live()
+        io.drain()
+        with io.lock:
+            self.reader.keep_live_in_memory()
+            self._observe_last()
+            self._publish(settle=True)
+            self.metrics.close()
+            self.groups.detach_all()
+        if self._trace is not None:
+            self._trace.close()
+        io.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- measurements (NOTE [Adaptive keep], tba/datapath/trace.py) --------------------------------
+    def _observe_last(self) -> None:
+        """Feed the last step to the keep controller and the trace once its backward has run."""
+        st = self._last
+        if st is None or st.observed or not st.backward_end():
+            return
+        st.observed = True
+        records = st.group_records()
+        w, r = st.bandwidth(True), st.bandwidth(False)
+        n = len(records)
+        kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
+        largest = st.largest_read()
+        self.prefetcher.budget = adapt(
+            self.keeper,
+            self.depth,
+            st.index,
+            records,
+            w,
+            r,
+            kept_from,
+            self.groups.max_keep(n),
+            largest_read=largest,
+            saved_bytes=st.saved_bytes,
+            peak_bytes=st.peak_resident_bytes,
+            # once auto has chosen, its own room bounds the window (NOTE [Window under auto])
+            keeper_room=not self.policy.chosen,
+        )
+        peak = max(st.peak_resident_bytes, st.peak_with_recompute_bytes)
+        self.policy.observe(
+            st.index,
+            records,
+            w,
+            r,
+            self._memory_budget,
+            self.depth.depth,
+            peak=peak,
+            largest_read=largest,
+        )
+        if self.policy.room is not None:  # NOTE [Window under auto] in tba/decide/block_policy.py
+            self.depth.limit(st.index, self.policy.room, "cut to what auto's assignment leaves")
+            self.prefetcher.budget = self.depth.depth
+        self.depth.report(st.index)
+        if self._trace is not None:
+            backward = max(0.0, st.backward_end() - st.forward_end)
+            self._trace.step(
+                st.index,
+                records,
+                {
+                    "forward_seconds": st.forward_seconds,
+                    "backward_seconds": backward,
+                    "step_seconds": st.forward_seconds + backward,
+                    "saved_bytes": st.saved_bytes,
+                    "peak_resident_bytes": st.peak_resident_bytes,
+                    "bytes_offloaded": st.bytes_offloaded,
+                    "bytes_reloaded": st.bytes_reloaded,
+                    "stall_seconds": st.stall_seconds,
+                    "sync_loads": st.sync_loads,
+                    "write_bps": w,
+                    "read_bps": r,
+                    "keep_last": st.keep_last,
+                    "keep_decision": self.keeper.decision,
+                    "group_policy": st.group_policy,
+                    "recomputed_groups": st.recomputed_groups,
+                    "policy_decision": self.policy.decision,
+                },
+            )
+
+    def _memory_budget(self, saved_bytes: int) -> int | None:
+        """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
+        ``saved_bytes``: TBA_MEMORY_BUDGET (NOTE [Memory budget]), or without one
+        DEFAULT_BUDGET_SHARE of them, so that TBA_POLICY=auto always has a bound."""
+        allowed = allowed_bytes(self.config.memory_budget, saved_bytes)
+        return allowed if allowed is not None else int(DEFAULT_BUDGET_SHARE * saved_bytes)
+
+    def _log_policy(self, st: StepState) -> None:
+        """Log the per-block actions a forward ran with, once per change (lock held)."""
+        if st.group_policy and st.group_policy != self._logged_policy:
+            self._logged_policy = list(st.group_policy)
+            log.info(
+                "tba: step %d block actions (TBA_POLICY=%s): %s",
+                st.index,
+                self.config.policy,
+                ",".join(st.group_policy),
+            )
+
+    def _recomputing(self, st: StepState, stat: Any) -> None:
+        """Backward recomputes a block of ``st``: what is resident now plus what the block
+        saves is the step's peak with recompute (NOTE [Block policy])."""
+        with self.io.lock:
+            self.index.bury()  # the saves of blocks backward is done with are freed by now
+            now = self.index.resident + stat.hidden_bytes
+            st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
+
+    def _room(self, st: StepState) -> int | None:
+        """What TBA_MEMORY_BUDGET leaves for the read-ahead window of a step whose forward just
+        ended (None: no budget): its allowed bytes less what is resident now."""
+        allowed = allowed_bytes(self.config.memory_budget, st.saved_bytes)
+        return None if allowed is None else allowed - self.index.resident
+
+    def _budget_decision(self) -> dict[str, Any]:
+        """``stats()["budget_decision"]``: the budget, the bytes it allowed the last step, the
+        window and K it led to, and whether the step's peak kept within it."""
+        st = self._last
+        saved = st.saved_bytes if st is not None else 0
+        allowed = allowed_bytes(self.config.memory_budget, saved)
+        peak = st.peak_resident_bytes if st is not None else 0
+        return budget_decision(
+            self.config.memory_budget,
+            saved,
+            window_bytes=self.depth.depth,
+            window_room_bytes=self.keeper.room,
+            keep_last=self.keeper.k,
+            peak_resident_bytes=peak,
+            met=None if allowed is None or st is None else peak <= allowed,
+        )
+
+    def _publish(self, settle: bool) -> None:
+        """Push counters and gauges to the metrics (NOTE [Metrics] in tba/metrics/__init__.py). With
+        ``settle``, the steps that can no longer count are pushed one last time and forgotten:
+        after its forward, only a step's live entries change its numbers. Lock held."""
+        io = self.io
+        busy = {e.step for e in io.live} if settle else None
+        self.metrics.publish(
+            busy, self.index.resident, io.staging_in_use(), io.disk_in_use, self.keeper.k
+        )
+
+    def _peak(self, resident: int) -> None:
+        """The index's resident bytes grew: the current step's peak (lock held)."""
+        st = self._current
+        if st is not None and resident > st.peak_resident_bytes:
+            st.peak_resident_bytes = resident
+
+
+def _model_storages(model: nn.Module) -> frozenset[int]:
+    """The storages of the model's parameters and buffers (of their shards: NOTE [DTensor])."""
+    tensors = (plain(p) for p in (*model.parameters(), *model.buffers()))
+    return frozenset(p.untyped_storage()._cdata for p in tensors if p.layout is torch.strided)

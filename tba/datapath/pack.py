@@ -1,0 +1,294 @@
+"""The Packer: what happens to a tensor autograd saves, from the pack hook to its captured bytes.
+
+``pack`` decides in order: exclude (parameters and their views), recompute (weight casts,
+NOTE [Weight-derived tensors] in tba/datapath/capture/derived.py), dedup (the same view saved
+again), keep (every reason a tensor stays in memory is decided here, see tba/decide/keep.py for
+their names), offload. It never waits for I/O: a capture is a memcpy into staging or the
+tensor's own memory (CPU, NOTE [Direct capture] in tba/datapath/capture/staging.py) or an async copy
+(CUDA), and the Writer (tba/datapath/write.py) takes it from there: the write runs on an I/O thread,
+and small tensors share one write (NOTE [Coalescing] in tba/datapath/capture/coalesce.py). The one
+wait a pack may do is for staging, when asked to (NOTE [Staging backpressure]). When a write fails,
+or the disk refuses, the bytes stay in memory: a tensor is never lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..decide.keep import PLAIN_TYPES, Policy, is_parameter_like, unsupported
+from ..errors import internal_error
+from ..records.entry import DEAD, FAILED, Entry
+from ..records.handle import Handle, KeptHandle, layout
+from ..records.index import Index
+from ..records.step import StepState, StorageRef
+from .blocks.groups import GroupTracker
+from .blocks.selective import kept_by_selective
+from .capture.derived import derived
+from .capture.device import CpuAdapter
+from .capture.dtensor import DTensorHandle, is_dtensor, local_of, waited
+from .capture.dtensor import kind as subclass_name
+from .capture.staging import DirectBlock, StagingPool
+from .io import IO
+from .write import Writer
+
+
+class Packer:
+    """Packs saved tensors of the current step (see the module docstring)."""
+
+    def __init__(self, io: IO, index: Index, policy: Policy, groups: GroupTracker):
+        self.io = io
+        self.index = index
+        self.policy = policy
+        self.groups = groups
+        cfg = io.config
+        self.coalesce_bytes = cfg.coalesce_bytes
+        self.recompute_weights = cfg.recompute_weights
+        self.writer = Writer(io, index, groups, cfg)
+        self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
+        self._seq = 0
+        self._waited_out = -1  # the step in which a staging wait timed out
+
+    # -- the pack hook ------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor, st: StepState) -> Any:
+        """What autograd stores for ``t``: a handle, a kept handle, or ``t`` itself."""
+        if unsupported(t):
+            return self._unsupported(t, st)
+        if is_parameter_like(t, self.param_storages):
+            return t  # held by the model anyway; never written, never counted
+        if self.recompute_weights:
+            d = derived(t, self.param_storages)
+            if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
+                storage = t.untyped_storage()
+                with self.io.lock:
+                    st.packs += 1
+                    st.recomputed(storage, storage._cdata, d.nbytes)
+                return d
+        storage = t.untyped_storage()
+        key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        index = self.index
+        with self.io.lock:
+            index.bury()
+            st.packs += 1
+            h = index.find(key)
+            if h is not None:  # the same view saved again: no new bytes, one more use
+                st.dedup_hits += 1
+                h.stat = self.groups.stat  # the last saver's backward unpacks it first
+                if isinstance(h, Handle):
+                    h.packs += 1
+                    h.entry.saved(self._next_seq())
+                return h
+            snbytes = storage.nbytes()
+            seen = st.saved_bytes
+            sref = st.see(storage, key[0], snbytes)
+            whole, nbytes, stride, offset = layout(t, snbytes, key[3])
+            reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
+            gs = self.groups.stat
+            new = st.saved_bytes - seen  # a storage first seen now: its bytes, else 0
+            if new:
+                gs.saved_bytes += new
+                gs.sizes.append(new)  # NOTE [Measured layout] in tba/decide/simulator/rules.py
+                if kept_by_selective(t):  # NOTE [Selective recompute]
+                    gs.cacheable_bytes += new
+            gs.tensors += 1
+            gs.packed_bytes += nbytes
+            if reason is None:
+                got = self.offload(t, storage, key, whole, nbytes, stride, offset, st, sref)
+                if not isinstance(got, str):
+                    return got
+                reason = got
+            gs.kept_bytes += nbytes
+            if reason == "group":
+                gs.keepable_bytes += nbytes
+            st.keep(reason)
+            h = KeptHandle(t, index.kept_entry(key[0], snbytes), key, gs)
+            index.add_handle(h)
+            return h
+
+    def _unsupported(self, t: torch.Tensor, st: StepState) -> Any:
+        """A DTensor goes through its local shard (NOTE [DTensor]); anything else stays."""
+        if is_dtensor(t):
+            if t.requires_grad and t.is_leaf:
+                return t  # a DTensor parameter: held by the model anyway
+            return DTensorHandle(self.pack(local_of(t), st), t)
+        inner = waited(t)  # an AsyncCollectiveTensor: its plain tensor
+        if inner is not None:
+            return self.pack(inner, st)
+        reason = "unsupported" if type(t) in PLAIN_TYPES else "subclass"
+        with self.io.lock:  # I/O threads count into the same step (NOTE [Counted once])
+            st.packs += 1
+            st.keep(reason)
+            if reason == "subclass":
+                name = subclass_name(t)
+                self.io.warn_once(
+                    f"subclass-{name}",
+                    f"tba.pack: keeping saved tensors of type {name} in memory "
+                    f"(stats()['kept_reasons']['subclass']): tba offloads plain tensors, and "
+                    f"DTensor through its local shard, but cannot capture this subclass's "
+                    f"bytes; the memory they take is not saved.",
+                )
+        return t
+
+    def count_hidden(self, t: torch.Tensor, st: StepState) -> int:
+        """Count a tensor a recomputed block saves inside its checkpoint (tba never holds it)
+        in ``saved_bytes``, once per storage; returns the bytes added (NOTE [Block policy])."""
+        if unsupported(t) or is_parameter_like(t, self.param_storages):
+            return 0
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        with self.io.lock:
+            ref = st.seen.get(cdata)
+            if ref is not None and ref.expired():  # freed, and a new storage at its address
+                del st.seen[cdata]
+            before = st.saved_bytes
+            st.see(storage, cdata, storage.nbytes())
+            return st.saved_bytes - before
+
+    def hold_cached(self, st: StepState, gs: Any, tensors: list[torch.Tensor]) -> list[Any]:
+        """Charge the outputs a selective block keeps until its recompute (NOTE [Selective
+        recompute], point 3) as kept storages, each once; the handles returned hold the charge,
+        which ends when they are dropped."""
+        held = []
+        with self.io.lock:
+            for t in tensors:
+                if unsupported(t) or is_parameter_like(t, self.param_storages):
+                    continue
+                storage = t.untyped_storage()
+                cdata, nbytes = storage._cdata, storage.nbytes()
+                fresh = cdata not in self.index.kept
+                h = KeptHandle(t, self.index.kept_entry(cdata, nbytes), ("selective", cdata), gs)
+                if fresh:
+                    gs.cached_bytes += nbytes
+                held.append(h)
+        return held
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def offload(
+        self, t, storage, key, whole: bool, nbytes: int, stride, offset: int, st, sref
+    ) -> Handle | str:
+        """A handle on ``t``'s captured bytes, or the reason to keep it."""
+        ekey = (key[0], key[5]) if whole else key
+        e = self.index.entries.get(ekey) if whole else None
+        if e is not None and e.state is not DEAD and e.state is not FAILED:
+            st.dedup_hits += 1  # another view of a storage already captured whole
+        else:
+            e = self._capture(t, storage, ekey, whole, nbytes, stride, st, sref)
+            if isinstance(e, str):
+                return e
+        h = Handle(e, t, stride, offset, key, self.groups.stat)
+        e.saw(h.ref)
+        e.saved(self._next_seq())
+        self.index.add_handle(h)
+        return h
+
+    # -- capture ------------------------------------------------------------------------------
+    def _capture(self, t, storage, ekey, whole, nbytes, stride, st: StepState, sref: StorageRef):
+        """A new entry whose bytes are captured (or being captured), or the reason to keep."""
+        writer = self.writer
+        refusing = writer.refusing(st)
+        if refusing is not None:
+            return refusing
+        io = self.io
+        adapter, staging = io.device(t.device)
+        batch = extent = None
+        if nbytes < self.coalesce_bytes:
+            batch = writer.batch_for(t.device, staging, nbytes, st)
+        if batch is not None:
+            block = batch.carve(nbytes)
+            st.coalesced_tensors += 1
+        else:
+            direct = None
+            if isinstance(adapter, CpuAdapter):
+                direct = self._direct_block(t, storage, whole, nbytes, stride)
+            if direct is None:
+                block = self._room(st, staging, nbytes, lambda: staging.alloc(nbytes))
+            else:
+                held = lambda: direct if staging.hold(direct) else None  # noqa: E731
+                block = self._room(st, staging, direct.length, held)
+            if block is None:
+                return "staging_full"
+            extent = io.backend.allocate(block.length)
+            if extent is None:
+                block.release()
+                return writer.refused(st)
+            if extent.length != block.length:
+                block.release()
+                io.backend.free(extent)
+                raise internal_error(
+                    "pack", f"staging of {block.length} B got an extent of {extent.length} B"
+                )
+        span = None
+        if isinstance(block, DirectBlock):
+            ticket, check, skew = None, block.check, block.skew
+            span = (skew, skew + nbytes)  # only its own bytes (NOTE [Direct capture] rule 3)
+        else:
+            if whole:
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                dst = block.part(0, nbytes)
+            else:
+                src = t
+                dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
+            if block.length > nbytes:
+                block.part(nbytes, block.length).zero_()  # zero-padded tail
+            ticket, check, skew = adapter.capture(dst, src), (t, t._version), 0
+        gs = self.groups.stat
+        e = Entry(self.index.graveyard, st, ekey, sref, t.device, nbytes, block, extent, gs)
+        e.captured_by(ticket, check, batch, skew, span)
+        self.index.charge(block.length)
+        if batch is None:
+            io.count_disk(st, extent.length)
+        if whole:
+            self.index.entries[ekey] = e
+        io.live.add(e)
+        st.entries.append(e)  # counted offloaded once written (NOTE [Counted once])
+        writer.captured_by(e, ticket)
+        return e
+
+    def _direct_block(self, t, storage, whole: bool, nbytes: int, stride):
+        """A DirectBlock for ``t``'s own bytes (not yet counted against the staging budget), or
+        None when ``t`` must be copied into staging (NOTE [Direct capture])."""
+        if whole:
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)
+        elif tuple(stride) == t.stride():  # a dense view: its bytes start at its data pointer
+            start = t.storage_offset() * t.element_size()
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)[start : start + nbytes]
+        else:
+            return None
+        if source.data_ptr() % t.element_size():  # pragma: no cover - torch aligns storages
+            return None
+        return DirectBlock(source, t, self.io.align)
+
+    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get):
+        """``get()``: a staging block (or a held DirectBlock), or None when staging is full.
+        With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]).
+        Lock held; released while waiting."""
+        seen = staging.frees
+        got = get()
+        cfg = self.io.config
+        if got is not None or cfg.staging_full != "wait" or self._waited_out == st.index:
+            return got
+        if nbytes > staging.capacity:
+            return None  # could never fit: waiting would only add a stall
+        self.writer.seal_all()  # a batch being filled frees its staging only once written
+        io = self.io
+        got, waited = staging.wait_for(get, seen, cfg.staging_wait, io.lock, io.clock)
+        st.stall_seconds += waited
+        st.pack_stall_seconds += waited
+        if got is None:
+            self._waited_out = st.index
+            io.warn_once(
+                "staging-wait",
+                f"tba.pack: staging stayed full for TBA_STAGING_WAIT={cfg.staging_wait:g} s "
+                f"(writes are not keeping up); keeping saved tensors in memory for the rest of "
+                f"step {st.index} (kept_reasons['staging_full']). Raise TBA_STAGING_BYTES or "
+                f"TBA_STAGING_WAIT, or check the spill drive.",
+            )
+        return got
+
+    def seal_all(self) -> None:
+        """Write what is still being coalesced (the forward ended). Lock held."""
+        self.writer.seal_all()

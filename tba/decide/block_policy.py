@@ -1,0 +1,452 @@
+"""Per-block actions for ``TBA_POLICY`` and ``TBA_BLOCK_POLICY`` (NOTE [Block policy] in
+tba/datapath/blocks/recompute.py), chosen for ``auto`` from measured steps (NOTE [Chooser] in
+tba/decide/chooser.py) and paced as adaptive keep is (NOTE [Decision cost] in
+tba/decide/cadence.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ..config import BY_BLOCK, RECOMPUTED, SELECTIVE
+from .budget import MIN_WINDOW, widest_window, window_room
+from .cadence import DRIFT, STALL_SHARE, Pacer, stalled_seconds
+from .chooser import BARE, SEARCH_SIMS, Cost, choose, predict
+
+__all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
+
+log = logging.getLogger("tba")
+
+# NOTE [Recompute cost]
+# A recomputed block costs backward its forward once more, but not the forward as timed in the
+# first pass: that one records the graph, touches fresh memory, and in an offload step also
+# packs and queues writes. On W1 (2-core CPU) a block forwards in 0.19 s (0.23 s offloading) and
+# recomputes in 0.125 s; charged the forward, every recompute assignment was predicted 10-15%
+# slow. So the recompute wrapper times backward's run of the forward (``recompute_seconds`` of
+# a group record) and the chooser charges a block the seconds its last recompute took; a block
+# not yet recomputed, its forward times the ratio of recompute to forward of the blocks that
+# have been (its plain forward when none has). The first time a block's recompute is measured
+# the controller decides again (paced as any decision), so the first decision's guess is
+# corrected at the next step rather than 20 steps later (the schedule).
+
+# NOTE [Compute per action]
+# A block computes at different speeds by action: offloading, it packs, copies and queues writes
+# in forward and waits on unpacks in backward, which on W1's 2-core CPU made a block's forward
+# 0.23 s against 0.19 s kept or recomputed, and its backward 0.43 s against 0.375 s. Charged the
+# times of the step it last ran (all offloaded on step 1), every other assignment was predicted
+# that much slower. So the controller keeps, per block, the forward and backward seconds of the
+# last step that ran it with each action (``Cost.times``), and the chooser charges a block the
+# times of the action it is given; an action not yet measured borrows a stand-in's
+# (``STAND_INS`` in tba/decide/chooser.py: a kept block computes as a recomputed one does in its
+# first pass), else the times of the step just run. A stored time never counts for more than
+# the step just run measured: one taken on a cold first step cannot make an action look dearer
+# than it now is, which would keep auto from ever running it, and measuring it, again.
+
+# NOTE [Hook time]
+# Per-action times cannot see what offloading costs while every block offloads: with nothing
+# kept or recomputed yet, a kept block borrows the offload step's times, so on a disk that hides
+# every write oooooo and oooook of W1 were predicted the same step, the tie went to the lower
+# peak, and auto chose all-offload, measured 3 to 5% slower than keeping the last block. What a
+# kept block does not pay is tba's work on the training thread: the pack hook (index, staging,
+# queuing the write) and the unpack hook (waiting for the lock, views, the version check). The
+# hooks time themselves into the group's GroupStat (``pack_seconds``, ``unpack_seconds`` of a
+# record, stalls excluded: those the simulator predicts from bandwidth), and an offload step
+# stores, besides its own times, the block's times less those (``BARE`` in tba/decide/chooser.py),
+# which stand in for an action not measured yet (STAND_INS). On W1 (2-core CPU) the hooks took
+# about 6 ms per block in forward and 12 ms in backward. The I/O threads' CPU, which also slows
+# compute on a machine with few cores, is not on the training thread and is not counted.
+
+# NOTE [Selective recompute cost]
+# selective (NOTE [Selective recompute] in tba/datapath/blocks/selective.py) keeps a block's matrix
+# products and recomputes the rest. Until a block has run so, its cost is a prior: what the pack
+# hook saw of the outputs selective would keep (``cacheable_bytes``) is what it is charged to hold,
+# and its recompute is the block's full recompute scaled by the share of the block's saved
+# bytes it does not keep. The prior overstates the recompute where the kept products are
+# the dear part of the block (on W1, 0.07 s predicted against 0.017 s measured, the full
+# recompute being 0.137 s), which errs towards not choosing selective; once a block has run
+# selective, its measured recompute and kept bytes replace the prior, and the first such
+# measurement makes the controller decide again (as NOTE [Recompute cost]).
+
+# NOTE [Budget margin]
+# The simulator predicts W1's peaks within 2% (BENCHMARKS.md, planner validation), on both
+# sides, and the chooser takes the fastest assignment whose predicted peak fits: often one
+# that just fits, which then measures just over (sorroo at 200 MB/s: 0.351 of the saved bytes
+# against a budget of 0.35). So the chooser aims under MARGIN of the budget, and when a step
+# that ran auto's choice measures over the budget all the same, the excess is taken off the
+# target for good and the controller decides again at once, paced or not (NOTE [Decision
+# cost]). It used to wait for its pacer: on W1 at 200 MB/s the first choice (ssoook) was
+# predicted at a peak of 264 MB and measured 366 MB, and it ran four steps over the budget
+# before the pacer let the controller decide again; then, charging each of those steps had
+# driven the target far down (below zero on W1 at 20 MB/s, three steps of one choice). Now
+# each overrun is of a choice made knowing every earlier one, so each is charged.
+MARGIN = 0.98
+
+# NOTE [Unmeasured margin]
+# MARGIN covers the simulator's peak error on the assignments the planner validation measured
+# (within 2%), but not the worst of it: offload-heavy assignments were predicted up to 3.8% low,
+# and on W1 at 200 MB/s (bench_delta at c06b0a3, round 14 of 16) auto, deciding again after a
+# drift, left sossok (measured 0.300-0.310 of the saved bytes for thirteen steps) for ororoo,
+# never run before, which measured 0.351 against a budget of 0.35. An assignment auto has run
+# has had its peak measured (and an overrun charged, NOTE [Budget margin]); one it has not is a
+# prediction only. So an assignment not yet measured aims under UNMEASURED_MARGIN of the
+# budget, which leaves the 3.8% error within the budget, and one that has run under MARGIN.
+# Once run, an assignment is measured for the rest of the run, whatever window or rates it ran
+# at. This also favours the assignment in force over an unmeasured one predicted a little
+# faster and a little higher, which is what the overrun above did. The search replays every
+# measured assignment at each decision (so that the one in force is always a candidate); the
+# controller remembers the MEASURED_KEPT it ran last, so that a week-long run's decisions stay
+# as cheap as its first (one forgotten is unmeasured again: held to the lower margin).
+UNMEASURED_MARGIN = 0.96
+MEASURED_KEPT = 32
+
+# NOTE [Write spread]
+# The controller decides again when a bandwidth moves by more than DRIFT (25%) from the one it
+# decided with, so until then its assignment must hold the budget at any write rate in that
+# band. The peak of an assignment that offloads depends on the write rate: an offloaded
+# block's writes still in flight at the end of the forward are resident there, and the disk's
+# rate varies round to round (bench_delta at 200 MB/s, 2026-11-28: ossork predicted at
+# 244 MiB, measured from 245 to 277 MiB, 0.351 of the saved bytes against a budget of 0.35 in
+# the worst round; sorroo and ssoook before it, NOTE [Budget margin]). Predicted at 0.75 of
+# the measured write rate, ossork peaks at 284 MiB, over the target, while assignments whose
+# writes finish in time (ossssk, 244 MiB) do not move. So the chooser and the window's room
+# take each assignment's peak as the larger of those at the measured write rate and at
+# (1 - DRIFT) of it; its step time stays the one at the measured rate. ``tba plan`` predicts
+# at the rates it is given.
+
+# NOTE [Window under auto]
+# The read-ahead window is sized by DepthController after every step (raised after a stall,
+# up to its cap), while auto decides only when due (NOTE [Decision cost]); the chooser
+# predicts its assignment's peak at the window in use when it decides. A window raised later
+# is part of the peak too: on W1 at 200 MB/s, auto chose sosspk at an 82 MB window (predicted
+# 281 MB against a 290 MB budget), a stall raised the window to 103 MB, and the next step
+# peaked at 0.401 of the saved bytes against 0.35 before the overrun made auto decide again.
+# Adaptive keep's own room (NOTE [Memory budget]) does not cover this: it predicts the
+# keep-last rule, not auto's assignment, and applies only to TBA_MEMORY_BUDGET, where auto
+# also bounds itself by DEFAULT_BUDGET_SHARE. So after each step auto predicts its assignment
+# in force at the new window; when the peak would pass the chooser's target, the window is cut
+# to the room the target leaves (window_room, with the smallest window one largest read), or,
+# when even the smallest window's peak is over the target, to the widest window that adds
+# nothing to that peak (NOTE [Window past the budget] in tba/decide/budget.py). A window no wider
+# than the one auto decided at needs no prediction (two replays of the simulator, about 7 ms
+# each for 32 blocks on a 2-core VM, on the training thread; up to five more past the
+# budget). Once auto has chosen, this room replaces adaptive keep's under TBA_MEMORY_BUDGET:
+# adaptive keep's simulator predicts neither auto's assignment nor a bounded staging, and on
+# W1 at batch 32 (whose peak is 256 MiB of writes in flight at the end of the forward) it took
+# each step over the budget as a window too wide, cut the window step by step to 136 MiB, and
+# brought back the stalls a 190 MiB window had removed.
+
+# The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
+# step's saved bytes (the target the issue sets for the defaults). Read by
+# Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
+DEFAULT_BUDGET_SHARE = 0.35
+
+
+class PolicyController:
+    """Per-block actions for TBA_POLICY and TBA_BLOCK_POLICY (NOTE [Block policy] in
+    tba/datapath/blocks/recompute.py); chooses them for ``auto`` (NOTE [Chooser] in
+    tba/decide/chooser.py), deciding as adaptive keep does: after step 1, every ``every`` steps, at
+    once on a bandwidth drift of more than 25% or a step that stalled more than 1%. Until it has
+    decided, ``auto`` is ``offload`` (the last TBA_KEEP_LAST blocks kept; with adaptive keep, none
+    on step 1: FIRST_K in tba/decide/adaptive.py)."""
+
+    def __init__(
+        self,
+        policy: str,
+        forced: Any,
+        every: int = 20,
+        pacer: Pacer | None = None,
+        staging: tuple[int | None, bool] = (None, False),
+    ):
+        self.pacer = pacer or Pacer()
+        self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
+        self.policy = policy
+        self.forced: dict[int, str] = dict(forced or ())
+        self.chosen: dict[int, str] = {}
+        self.every = every
+        self.decided_at = 0
+        self.basis: tuple[float, float] | None = None
+        self.bandwidth: tuple[float | None, float | None] = (None, None)
+        self.block_bytes: dict[int, tuple[int, int]] = {}  # block -> (saved, input) measured
+        self.block_sizes: dict[int, tuple[int, ...]] = {}  # NOTE [Measured layout]
+        # block -> (recompute, forward) seconds of the last step that recomputed it
+        self.block_recompute: dict[int, tuple[float, float]] = {}
+        # the same for selective's recompute, and what selective kept (measured) or would keep
+        # (the block's cacheable_bytes): NOTE [Selective recompute] in
+        # tba/datapath/blocks/selective.py
+        self.block_selective: dict[int, tuple[float, float]] = {}
+        self.block_cached: dict[int, int] = {}
+        self.block_cacheable: dict[int, int] = {}
+        # block -> action -> (fwd, bwd) of the last step that ran it so (NOTE [Compute per action])
+        self.block_times: dict[int, dict[str, tuple[float, float]]] = {}
+        self.learned = False  # a block's recompute was measured for the first time
+        self.excess = 0  # bytes measured steps of its choices went over the budget, summed
+        # its choices that a step ran (per block), the last run last: NOTE [Unmeasured margin]
+        self.measured: dict[tuple[str, ...], None] = {}
+        self.room: int | None = None  # NOTE [Window under auto]
+        self.fits = True  # the last decision's assignment fits the target (NOTE [Chooser])
+        self.decision: dict[str, Any] = {
+            "policy": policy,
+            "reason": "first step: nothing measured yet" if policy == "auto" else "TBA_POLICY",
+        }
+
+    def default_action(self) -> str | None:
+        """The action of blocks nothing names; None: the keep-last rule."""
+        return self.policy if self.policy in ("keep", "recompute", SELECTIVE) else None
+
+    def assignment(self) -> dict[int, str] | None:
+        got = dict(self.chosen)
+        got.update(self.forced)
+        return got or None
+
+    def blocks_lost(self, step: int) -> None:
+        """The model's blocks ran inside a torch.compile region (NOTE [Compiled regions] in
+        tba/datapath/blocks/groups.py): no block action applies, and the decision says so."""
+        if self.policy in BY_BLOCK:
+            self.decision = {
+                "policy": self.policy,
+                "actions": [],
+                "reason": "the model's blocks ran inside a torch.compile region: nothing "
+                "recomputed, offloaded by pack-order windows",
+                "step": step,
+            }
+
+    def observe(
+        self,
+        step: int,
+        records,
+        write_bps,
+        read_bps,
+        budget,
+        prefetch: int,
+        peak: int = 0,
+        largest_read: int = 0,
+    ) -> None:
+        """A step whose backward has run, and its measured peak (``peak_with_recompute_bytes``).
+        ``budget(saved)`` gives the memory budget in bytes for a step that saves ``saved``
+        bytes (None: unbounded). ``prefetch`` is the read-ahead window the next step would run
+        with, ``largest_read`` the step's largest read (the smallest window there is); after
+        this, :attr:`room` is the widest window auto's assignment leaves within the budget
+        (NOTE [Window under auto]), None for no limit."""
+        self.room = None
+        w = write_bps or self.bandwidth[0]
+        r = read_bps or self.bandwidth[1]
+        self.bandwidth = (w, r)
+        groups, fixed = self._costs(records)
+        if self.policy != "auto" or not any(g.block for g in groups) or not w or not r:
+            return  # without a model's blocks (pack-order windows), auto is offload
+        limit = budget(sum(g.nbytes for g in groups))
+        ran = [x["action"] for x in records if x["action"]]
+        ran_choice = bool(self.chosen) and ran == [
+            self.assignment().get(i, a) for i, a in enumerate(ran)
+        ]
+        if ran_choice:  # NOTE [Unmeasured margin]: the last MEASURED_KEPT run
+            self.measured.pop(tuple(ran), None)
+            self.measured[tuple(ran)] = None
+            while len(self.measured) > MEASURED_KEPT:
+                del self.measured[next(iter(self.measured))]
+        over = limit is not None and peak > limit and ran_choice
+        if over:  # NOTE [Budget margin]: charged, and decided again below at once
+            self.excess += peak - limit
+        base = sum(g.fwd + g.bwd for g in groups)
+        stalled = stalled_seconds(records)
+        drifted = self.basis is None or any(
+            abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
+        )
+        ready = self.pacer.ready(base)
+        due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
+        if (drifted or due or self.learned or over) and (ready or over):
+            # NOTE [Decision cost]: an overrun does not wait for the pacer
+            self._decide(step, groups, fixed, w, r, limit, prefetch)
+        self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
+
+    def _target(self, limit: int | None, measured: bool = True) -> int | None:
+        """What an assignment must fit (NOTE [Budget margin], NOTE [Unmeasured margin]): one
+        auto has run under MARGIN of ``limit``, one it has not under UNMEASURED_MARGIN."""
+        if limit is None:
+            return None
+        return int((MARGIN if measured else UNMEASURED_MARGIN) * limit) - self.excess
+
+    def _decide(self, step, groups, fixed, w, r, limit, prefetch) -> None:
+        t0 = self.pacer.start()
+        target = self._target(limit)
+        got = choose(
+            groups,
+            w,
+            r,
+            target,
+            prefetch,
+            exhaustive_blocks=0,
+            fixed=fixed,
+            max_sims=SEARCH_SIMS,
+            staging_bytes=self.staging[0],
+            staging_waits=self.staging[1],
+            write_spread=DRIFT,  # NOTE [Write spread]
+            unmeasured_budget=self._target(limit, measured=False),
+            measured=self.measured,
+        )
+        spent = self.pacer.spent(t0)
+        self.learned = False
+        self.fits = got.fits
+        known = tuple(got.best.actions) in self.measured
+        chosen = {i: a for i, a in enumerate(got.best.actions) if i not in self.forced}
+        changed = chosen != self.chosen
+        self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
+        why = "fastest predicted step within the budget" if got.fits else "none fits: lowest peak"
+        self.decision = {
+            "policy": "auto",
+            "actions": list(got.best.actions),
+            "reason": why,
+            "step": step,
+            "budget_bytes": limit,
+            # what the choice had to fit (NOTE [Budget margin], NOTE [Unmeasured margin])
+            "target_bytes": self._target(limit, known),
+            "measured": known,  # the choice has run before
+            "predicted_step_seconds": got.best.step_seconds,
+            "predicted_peak_bytes": got.best.peak_bytes,
+            "write_bps": w,
+            "read_bps": r,
+            "searched": got.searched,
+            "decision_seconds": spent,
+            "window_bytes": prefetch,  # the read-ahead window it predicted with
+        }
+        if changed:
+            log.info(
+                "tba: policy=auto chose %s after step %d (%s; predicted step %.3f s, peak %d "
+                "bytes, budget %s; write %.0f MB/s, read %.0f MB/s)",
+                ",".join(got.best.actions),
+                step,
+                why,
+                got.best.step_seconds,
+                got.best.peak_bytes,
+                limit,
+                w / 1e6,
+                r / 1e6,
+            )
+
+    def _window_room(self, groups, limit, prefetch, smallest, w, r) -> int | None:
+        """The widest read-ahead window within ``prefetch`` whose predicted peak, with the
+        assignment in force, stays within the chooser's target (NOTE [Window under auto]);
+        None when ``prefetch`` itself fits or nothing is chosen."""
+        actions = self.decision.get("actions")
+        if limit is None or not self.chosen or len(actions or ()) != sum(g.block for g in groups):
+            return None
+        if prefetch <= self.decision.get("window_bytes", 0) and self.fits:
+            return None  # chosen at this window or a wider one: it fits there
+        asg = self.assignment() or {}
+        actions = [asg.get(i, a) for i, a in enumerate(actions)]
+        target = self._target(limit, tuple(actions) in self.measured)
+        seen: dict[int, Any] = {}
+
+        def at(win: int):  # the assignment's prediction at a window, each replayed once
+            if win not in seen:
+                seen[win] = predict(groups, actions, w, r, win, *self.staging, DRIFT)
+            return seen[win]
+
+        wide = at(prefetch)
+        if wide.peak_bytes <= target:
+            return None
+        smallest = max(smallest, MIN_WINDOW)
+        narrow = at(smallest)
+        if narrow.peak_bytes <= target:
+            return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
+        # NOTE [Window past the budget] in tba/decide/budget.py: the target is out of reach anyway
+        room, _ = widest_window(narrow.peak_bytes, smallest, prefetch, narrow, at)
+        return None if room >= prefetch else room
+
+    def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:
+        """The chooser's groups from a step's records; blocks checkpointed by the user are
+        fixed as recomputed. Bytes of a block come from the last step that measured them, its
+        recompute seconds as NOTE [Recompute cost] says."""
+        groups, fixed, b = [], {}, 0
+        blocks = []
+        for x in records:
+            act = x["action"]
+            sizes = tuple(
+                x.get("sizes", ())
+            )  # NOTE [Measured layout] in tba/decide/simulator/rules.py
+            if not act:
+                groups.append(
+                    Cost(x["fwd_seconds"], x["bwd_seconds"], _group_bytes(x), 0, False, sizes=sizes)
+                )
+                continue
+            if act == "user":
+                fixed[b] = "recompute"
+            rec = act in RECOMPUTED
+            saved = _group_bytes(x) + (x["hidden_bytes"] if rec else 0)
+            if act != "user" and (not rec or x["hidden_bytes"]):
+                self.block_bytes[b] = (saved, x["input_bytes"])
+            if act in ("keep", "offload") and sizes:  # its forward packed every saved tensor
+                self.block_sizes[b] = sizes
+            saved, inputs = self.block_bytes.get(b, (saved, x["input_bytes"]))
+            again = x.get("recompute_seconds", 0.0) if rec else 0.0
+            timed = self.block_selective if act == SELECTIVE else self.block_recompute
+            if again > 0:
+                self.learned |= b not in timed
+                timed[b] = (again, x["fwd_seconds"])
+            if act == SELECTIVE and x.get("hidden_bytes"):  # NOTE [Selective recompute]
+                self.block_cached[b] = x.get("cached_bytes", 0)
+            elif "cacheable_bytes" in x and b not in self.block_cached:
+                self.block_cacheable[b] = x["cacheable_bytes"]
+            # backward's time includes the recompute: the block's own part is the rest
+            first = x["fwd_seconds"] if rec or act == "user" else 0.0
+            bwd = x["bwd_seconds"] - (again or first)
+            blocks.append((len(groups), b))
+            if act != "user":
+                mine = self.block_times.setdefault(b, {})
+                mine[act] = (x["fwd_seconds"], max(0.0, bwd))
+                if act == "offload":  # NOTE [Hook time]
+                    mine[BARE] = (
+                        max(0.0, x["fwd_seconds"] - x.get("pack_seconds", 0.0)),
+                        max(0.0, bwd - x.get("unpack_seconds", 0.0)),
+                    )
+            times = tuple((k, f, w) for k, (f, w) in sorted(self.block_times.get(b, {}).items()))
+            groups.append(
+                Cost(
+                    x["fwd_seconds"],
+                    max(0.0, bwd),
+                    saved,
+                    inputs,
+                    times=times,
+                    sizes=self.block_sizes.get(b, ()),
+                )
+            )
+            b += 1
+        full, part = _ratio(self.block_recompute), _ratio(self.block_selective)
+        for gi, bi in blocks:
+            g = groups[gi]
+            got = self.block_recompute.get(bi)
+            again = got[0] if got else (full * g.fwd if full is not None else None)
+            cached = self.block_cached.get(bi, self.block_cacheable.get(bi))
+            got = self.block_selective.get(bi)
+            if got is not None:
+                sel = got[0]
+            elif part is not None:
+                sel = part * g.fwd
+            elif cached is not None:  # NOTE [Selective recompute cost]: a prior until measured
+                whole = g.fwd if again is None else again
+                sel = whole * max(0.0, 1.0 - cached / max(1, g.nbytes - g.input_bytes))
+            else:
+                sel = None
+            groups[gi] = dataclasses.replace(
+                g, recompute=again, cached_bytes=cached, selective_recompute=sel
+            )
+        fixed.update(self.forced)
+        return groups, fixed
+
+
+def _ratio(timed: dict[int, tuple[float, float]]) -> float | None:
+    """Seconds of recompute per second of first forward over the blocks measured (None: none)."""
+    if not timed:
+        return None
+    return sum(r for r, _ in timed.values()) / max(1e-12, sum(f for _, f in timed.values()))
+
+
+def _group_bytes(x: dict[str, Any]) -> int:
+    """What a group saves, each storage once: kept views of one storage (a q/k/v split kept
+    because staging was full) count once, as they do when the storage is captured whole.
+    (offloaded + kept counted such views once each: W1's blocks read 193 MB at 50 MB/s,
+    where 134 MB were saved, and every prediction of the chooser's peak ran high.)"""
+    if "saved_bytes" in x:
+        return x["saved_bytes"]
+    return x["offloaded_bytes"] + x["kept_bytes"]  # a trace written before the field

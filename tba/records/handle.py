@@ -1,0 +1,178 @@
+"""What the pack hook hands autograd for an offloaded or kept tensor, and where a saved
+view's bytes sit in its entry's buffer.
+
+A handle is a view's geometry (dtype, size, stride, offset) into an entry's bytes, plus what
+checks that the tensor was not modified in place since its pack (NOTE [Version witness]).
+See NOTE [Entries and handles] in tba/records/entry.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..errors import modified_error
+from .entry import Entry
+
+# -- where a saved view's bytes are ------------------------------------------------------------
+
+
+def is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when the strided view covers exactly ``numel`` consecutive elements (any order)."""
+    dims = sorted((st, sz) for sz, st in zip(size, stride) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def layout(
+    t: torch.Tensor, storage_nbytes: int, stride: tuple[int, ...] | None = None
+) -> tuple[bool, int, tuple[int, ...], int]:
+    """How to capture ``t``: (whole_storage, nbytes, stride_in_buffer, offset_in_buffer).
+    ``stride``: ``t.stride()`` when the caller has it (returned as is when it is kept).
+
+    - The whole storage when ``t`` covers all of it, or is a non-dense view spanning at least
+      half of it (q/k/v slices): views are rebuilt on the restored storage with their exact
+      strides, and other views of the same storage share the capture.
+    - Otherwise only ``t``'s elements: in memory order with the same strides when ``t`` is
+      dense, else contiguously.
+    """
+    size, item = t.shape, t.element_size()
+    if stride is None:
+        stride = t.stride()
+    view_bytes = t.numel() * item
+    if view_bytes == storage_nbytes:
+        return True, storage_nbytes, stride, t.storage_offset()
+    if is_dense(size, stride):
+        return False, view_bytes, stride, 0
+    span = (sum((n - 1) * s for n, s in zip(size, stride)) + 1) * item
+    if 2 * span >= storage_nbytes:
+        return True, storage_nbytes, stride, t.storage_offset()
+    return False, view_bytes, contiguous_stride(size), 0
+
+
+def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(size):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+# NOTE [Version witness]
+# Stock PyTorch raises at backward when a saved tensor was modified in place after it was
+# saved, because its SavedVariable keeps the tensor, and with it the tensor's version counter.
+# tba must not keep the tensor (that is the memory it frees), but it can keep the counter: a
+# *witness* is ``t.detach()`` (which shares t's version counter) whose data is then replaced
+# by an empty tensor through ``.data`` (which keeps the counter and bumps nothing). It holds no
+# bytes of t, outlives t, and its ``_version`` moves whenever t, or any view sharing t's
+# counter, is modified in place. Every unpack of a handle compares it with the version at
+# pack, whatever path its bytes took (forwarded, staged, written directly or coalesced, read
+# back or prefetched), so an edit raises stock PyTorch's error in every timing. Cost: about
+# 1 us and one small tensor object per handle.
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def witness(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its memory."""
+    w = t.detach()
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    w.data = empty
+    return w
+
+
+class Handle:
+    """An offloaded saved tensor: geometry into its entry's bytes, the pack-time version and
+    a witness of the tensor's version counter (NOTE [Version witness])."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "version", "ref", "key", "packs")
+    __slots__ += ("witness", "stat", "__weakref__")
+
+    def __init__(self, entry: Entry, t: torch.Tensor, stride, offset: int, key: Any, stat: Any):
+        self.entry = entry
+        self.stat = (
+            stat  # the GroupStat its unpacks time (NOTE [Backward timing] in tba/records/step.py)
+        )
+        self.dtype = t.dtype
+        self.size = key[2]  # the key's torch.Size, shared
+        self.stride = stride  # a tuple from layout()
+        self.offset = offset
+        self.version = t._version
+        self.ref = weakref.ref(t)
+        self.witness = witness(t)
+        self.key = key
+        self.packs = 1
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        try:
+            e = self.entry
+            e.graveyard.append((self.key, e, self.packs))  # NOTE [Deferred release]
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def check_version(self) -> None:
+        """Raise stock PyTorch's error if the tensor was modified in place since its pack,
+        alive or not (NOTE [Version witness])."""
+        now = self.witness._version
+        if now != self.version:
+            raise modified_error(self.size, self.dtype, now, self.version)
+
+    def live_original(self) -> torch.Tensor | None:
+        """The packed tensor itself while it is alive (forwarding; check_version first)."""
+        return self.ref()
+
+    def view_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """This handle's tensor as a view of the uint8 buffer ``buf`` (zero-copy)."""
+        base = buf.storage_offset() // self.dtype.itemsize
+        out = torch.empty(0, dtype=self.dtype, device=buf.device)
+        return out.set_(buf.untyped_storage(), base + self.offset, self.size, self.stride)
+
+
+class KeptEntry:
+    """Accounting for a storage that stays resident because kept handles reference it."""
+
+    __slots__ = ("graveyard", "cdata", "nbytes", "handles", "__weakref__")
+
+    def __init__(self, graveyard: deque, cdata: int, nbytes: int):
+        self.graveyard = graveyard
+        self.cdata = cdata
+        self.nbytes = nbytes
+        self.handles = 0
+
+
+class KeptHandle:
+    """A saved tensor tba keeps in memory. Holds it, and checks its version on unpack."""
+
+    __slots__ = ("tensor", "version", "entry", "key", "stat", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any, stat: Any = None):
+        self.tensor = t
+        self.version = t._version
+        self.entry = entry
+        self.key = key
+        self.stat = (
+            stat  # the GroupStat its unpacks time (NOTE [Backward timing] in tba/records/step.py)
+        )
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        try:
+            self.entry.graveyard.append((self.key, self.entry, 0))  # NOTE [Deferred release]
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise modified_error(t.shape, t.dtype, t._version, self.version)
+        return t
