@@ -11,8 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from .config import BACKENDS, format_size, parse_size
+from .config import (
+    BACKENDS,
+    parse_tbw,
+    positive_number,
+    seconds_between,
+    size_at_least,
+    whole_number,
+)
 from .errors import ValueParseError
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_USAGE"]
@@ -24,19 +32,55 @@ EXIT_USAGE = 2
 _DEFAULT_PROBE = "256MiB"
 _MIN_PROBE = 1 << 20
 
+T = TypeVar("T")
 
-def _probe_size(text: str) -> int:
+
+def _flag(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
+    """An argparse ``type=`` from one of tba.config's value parsers: a flag takes a value by
+    the same rule as the ``TBA_*`` variable of its kind, and a bad one reads the same
+    ("'x' is invalid; expected ..."), after the flag's name."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueParseError as e:
+            msg = f"{e.value!r} is invalid; expected {e.expected}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    convert.__name__ = name  # argparse's fallback message names the type
+    return convert
+
+
+def _number(example: str) -> Callable[[str], float]:
+    return _flag(positive_number(example), "number")
+
+
+_COUNT = _flag(whole_number(1), "count")
+_SIZE = _flag(size_at_least(1), "size")
+
+
+def _dtype(text: str) -> int:
+    from .plan import DTYPES
+
+    if text.lower() in DTYPES:
+        return DTYPES[text.lower()]
+    raise ValueParseError(text, "one of fp32|bf16|fp16|fp8 (or float32, bfloat16, float16)")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise ValueParseError(text, "a TCP port from 0 to 65535 (0 picks a free one)")
+    return int(text)
+
+
+def _interval_ms(text: str) -> float:
     try:
-        n = parse_size(text)
-    except ValueParseError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use e.g. 64MiB, 256MiB or 1GiB"
-        ) from None
-    if n < _MIN_PROBE:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is below the minimum, {format_size(_MIN_PROBE)}"
-        )
-    return n
+        ms = float(text)
+    except ValueError:
+        ms = float("nan")
+    if not 0.1 <= ms <= 1000:
+        raise ValueParseError(text, "milliseconds from 0.1 to 1000, such as 1")
+    return ms
 
 
 # -- tba doctor ------------------------------------------------------------------------------------
@@ -60,7 +104,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--probe-bytes",
         metavar="N",
-        type=_probe_size,
+        type=_flag(size_at_least(_MIN_PROBE), "size"),
         default=_DEFAULT_PROBE,
         help=f"bytes written and read to measure throughput, e.g. 64MiB (default {_DEFAULT_PROBE})",
     )
@@ -89,26 +133,6 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 # -- tba bench -------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return n
-
-
-def _interval_ms(text: str) -> float:
-    try:
-        ms = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
-    if not 0.1 <= ms <= 1000:
-        raise argparse.ArgumentTypeError(f"{text!r} is outside 0.1 to 1000 ms")
-    return ms
-
-
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -122,20 +146,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "or --plot without matplotlib."
         ),
     )
-    p.add_argument("--layers", type=_positive_int, default=6, help="blocks (W1: 6)")
-    p.add_argument("--hidden", type=_positive_int, default=512, help="hidden size (W1: 512)")
-    p.add_argument("--heads", type=_positive_int, default=8, help="attention heads (W1: 8)")
-    p.add_argument("--seq", type=_positive_int, default=512, help="sequence length (W1: 512)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="micro-batch (W1: 8)")
+    p.add_argument("--layers", type=_COUNT, default=6, help="blocks (W1: 6)")
+    p.add_argument("--hidden", type=_COUNT, default=512, help="hidden size (W1: 512)")
+    p.add_argument("--heads", type=_COUNT, default=8, help="attention heads (W1: 8)")
+    p.add_argument("--seq", type=_COUNT, default=512, help="sequence length (W1: 512)")
+    p.add_argument("--batch", type=_COUNT, default=8, help="micro-batch (W1: 8)")
     p.add_argument(
         "--steps",
-        type=_positive_int,
+        type=_COUNT,
         default=2,
         help="steps per mode; the last one is recorded (default 2: one warm-up)",
     )
     p.add_argument(
         "--interval-ms",
-        type=_interval_ms,
+        type=_flag(_interval_ms, "milliseconds"),
         default=1.0,
         metavar="MS",
         help="sampling period for tba's resident bytes and RSS (default 1 ms)",
@@ -203,56 +227,6 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 # -- tba plan --------------------------------------------------------------------------------------
-def _plan_count(minimum: int, example: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = minimum - 1
-        if v < minimum:
-            raise argparse.ArgumentTypeError(
-                f"expected a whole number >= {minimum}, such as {example}; got {text!r}"
-            )
-        return v
-
-    return parse
-
-
-def _plan_positive(example: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = 0.0
-        if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(
-                f"expected a number above 0, such as {example}; got {text!r}"
-            )
-        return v
-
-    return parse
-
-
-def _plan_size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueParseError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a size such as 128MiB or 1GiB; got {text!r}")
-    return n
-
-
-def _plan_dtype(text: str) -> int:
-    from .plan import DTYPES
-
-    if text.lower() in DTYPES:
-        return DTYPES[text.lower()]
-    raise argparse.ArgumentTypeError(
-        f"expected one of fp32|bf16|fp16|fp8 (or float32, bfloat16, float16); got {text!r}"
-    )
-
-
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
@@ -266,33 +240,43 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "Exit 0: done; 2: bad input."
         ),
     )
-    pos = _plan_count(1, "32")
     m = p.add_argument_group("model shape")
-    m.add_argument("--layers", type=pos, metavar="N", help="transformer layers")
-    m.add_argument("--hidden", type=pos, metavar="H", help="hidden size")
-    m.add_argument("--heads", type=pos, metavar="A", help="attention heads")
-    m.add_argument("--kv-heads", type=pos, metavar="N", help="key/value heads (default: heads)")
-    m.add_argument("--seq", type=pos, metavar="S", help="sequence length")
-    m.add_argument("--batch", type=pos, metavar="B", help="micro-batch (default 1)")
-    m.add_argument("--dtype", type=_plan_dtype, help="fp32|bf16|fp16|fp8 (default bf16)")
-    m.add_argument("--tp", type=pos, metavar="T", help="tensor-parallel degree (default 1)")
+    m.add_argument("--layers", type=_COUNT, metavar="N", help="transformer layers")
+    m.add_argument("--hidden", type=_COUNT, metavar="H", help="hidden size")
+    m.add_argument("--heads", type=_COUNT, metavar="A", help="attention heads")
+    m.add_argument("--kv-heads", type=_COUNT, metavar="N", help="key/value heads (default: heads)")
+    m.add_argument("--seq", type=_COUNT, metavar="S", help="sequence length")
+    m.add_argument("--batch", type=_COUNT, metavar="B", help="micro-batch (default 1)")
+    m.add_argument("--dtype", type=_flag(_dtype, "dtype"), help="fp32|bf16|fp16|fp8 (default bf16)")
+    m.add_argument("--tp", type=_COUNT, metavar="T", help="tensor-parallel degree (default 1)")
     m.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallel")
     m.add_argument("--attention", choices=("flash", "explicit"), help="default flash")
     m.add_argument("--arch", choices=("gpt", "llama"), help="gpt: LN+GELU; llama: RMSNorm+SwiGLU")
-    m.add_argument("--mlp-ratio", type=_plan_positive("4"), metavar="R", help="MLP width/hidden")
-    m.add_argument("--vocab", type=_plan_count(0, "32000"), help="vocabulary (0: no head)")
+    m.add_argument(
+        "--mlp-ratio",
+        type=_number("4"),
+        metavar="R",
+        help="MLP width/hidden",
+    )
+    m.add_argument("--vocab", type=_flag(whole_number(0), "count"), help="vocabulary (0: no head)")
     m.add_argument("--dropout", action="store_true", help="dropout masks are saved")
     h = p.add_argument_group("hardware")
-    h.add_argument("--flops", type=_plan_positive("400e12"), help="achieved FLOP/s per GPU")
+    h.add_argument("--flops", type=_number("400e12"), help="achieved FLOP/s per GPU")
     h.add_argument(
-        "--layer-fwd-ms", type=_plan_positive("4.8"), metavar="MS", help="forward ms per layer"
+        "--layer-fwd-ms",
+        type=_number("4.8"),
+        metavar="MS",
+        help="forward ms per layer",
     )
     h.add_argument(
-        "--backward-ratio", type=_plan_positive("2"), metavar="X", help="backward/forward (2)"
+        "--backward-ratio",
+        type=_number("2"),
+        metavar="X",
+        help="backward/forward (2)",
     )
-    h.add_argument("--write-gbps", type=_plan_positive("6"), metavar="GB/S", help="per drive")
-    h.add_argument("--read-gbps", type=_plan_positive("6"), metavar="GB/S", help="per drive")
-    h.add_argument("--drives", type=pos, metavar="N", help="drives striped together (default 1)")
+    h.add_argument("--write-gbps", type=_number("6"), metavar="GB/S", help="per drive")
+    h.add_argument("--read-gbps", type=_number("6"), metavar="GB/S", help="per drive")
+    h.add_argument("--drives", type=_COUNT, metavar="N", help="drives striped together (default 1)")
     h.add_argument(
         "--duplex",
         choices=("full", "shared"),
@@ -301,23 +285,43 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--device", choices=("cuda", "cpu"), help="where activations live (cuda)")
     h.add_argument(
         "--capture-gbps",
-        type=_plan_positive("10"),
+        type=_number("10"),
         metavar="GB/S",
         help="capture copy on the compute thread (a CPU memcpy, as with TBA_CHECKSUM on; unset: "
         "overlapped, or none: CPU tensors are written from their own memory)",
     )
     h.add_argument(
         "--h2d-gbps",
-        type=_plan_positive("50"),
+        type=_number("50"),
         metavar="GB/S",
         help="read-back host-to-device copy on the compute stream (unset: overlapped)",
     )
-    h.add_argument("--device-mem", type=_plan_size, metavar="SIZE", help="memory for activations")
-    h.add_argument("--host-mem", type=_plan_size, metavar="SIZE", help="host memory for tba")
+    h.add_argument(
+        "--device-mem",
+        type=_SIZE,
+        metavar="SIZE",
+        help="memory for activations",
+    )
+    h.add_argument(
+        "--host-mem",
+        type=_SIZE,
+        metavar="SIZE",
+        help="host memory for tba",
+    )
     k = p.add_argument_group("tba settings (default: tba's, or the trace's)")
-    k.add_argument("--prefetch", type=_plan_size, metavar="SIZE", help="TBA_PREFETCH_BYTES")
-    k.add_argument("--staging", type=_plan_size, metavar="SIZE", help="TBA_STAGING_BYTES")
-    k.add_argument("--min-offload", type=_plan_size, metavar="SIZE", help="TBA_MIN_OFFLOAD_BYTES")
+    k.add_argument(
+        "--prefetch",
+        type=_SIZE,
+        metavar="SIZE",
+        help="TBA_PREFETCH_BYTES",
+    )
+    k.add_argument("--staging", type=_SIZE, metavar="SIZE", help="TBA_STAGING_BYTES")
+    k.add_argument(
+        "--min-offload",
+        type=_SIZE,
+        metavar="SIZE",
+        help="TBA_MIN_OFFLOAD_BYTES",
+    )
     k.add_argument(
         "--budget",
         metavar="SIZE|FRACTION",
@@ -328,7 +332,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--trace", metavar="FILE", help="a TBA_TRACE file of a real run")
     o.add_argument(
         "--steps",
-        type=pos,
+        type=_COUNT,
         help="steps simulated back to back, the last shown (default: until steady)",
     )
     o.add_argument("--projections", action="store_true", help="the 7B Llama on H100 tables")
@@ -348,43 +352,6 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 # -- tba sidecar -----------------------------------------------------------------------------------
-def _seconds(low: float, high: float, example: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = float("nan")
-        if not low <= v <= high:
-            raise argparse.ArgumentTypeError(
-                f"expected seconds from {low:g} to {high:g}, such as {example}; got {text!r}"
-            )
-        return v
-
-    return parse
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(
-            f"expected a TCP port from 0 to 65535 (0 picks a free one); got {text!r}"
-        )
-    return int(text)
-
-
-def _tbw(text: str) -> float:
-    t = text.strip().lower().removesuffix("tbw").removesuffix("tb").strip()
-    try:
-        v = float(t)
-    except ValueError:
-        v = 0.0
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(
-            "expected the drive's rated endurance in terabytes written (the TBW on its data "
-            f"sheet), such as 3500 or 3500TB; got {text!r}"
-        )
-    return v
-
-
 def _add_sidecar(sub: argparse._SubParsersAction) -> None:
     from .sidecar.settings import DEFAULT_PORT
 
@@ -407,7 +374,7 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--port",
-        type=_port,
+        type=_flag(_port, "port"),
         default=DEFAULT_PORT,
         help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one and logs it)",
     )
@@ -424,21 +391,21 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--interval",
-        type=_seconds(0.1, 3600, "10"),
+        type=_flag(seconds_between(0.1, 3600, "10"), "seconds"),
         default=10.0,
         metavar="SECONDS",
         help="seconds between scans and janitor passes (default 10)",
     )
     p.add_argument(
         "--rate-window",
-        type=_seconds(1, 7 * 86400, "3600"),
+        type=_flag(seconds_between(1, 7 * 86400, "3600"), "seconds"),
         default=3600.0,
         metavar="SECONDS",
         help="span of the write-rate samples behind the endurance figures (default 3600)",
     )
     p.add_argument(
         "--ssd-tbw",
-        type=_tbw,
+        type=_flag(parse_tbw, "tbw"),
         metavar="TB",
         help="rated endurance of each spill drive in TB written (default: TBA_SSD_TBW)",
     )
@@ -463,7 +430,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     from .config import Config
     from .errors import ConfigError
     from .sidecar import Settings, Sidecar, SidecarError
-    from .sidecar._log import install
+    from .sidecar.jsonlog import install
 
     def usage(msg: str) -> int:
         args.parser.print_usage(sys.stderr)

@@ -6,7 +6,9 @@ together as one :class:`tba.ConfigError`.
 
 The field table (each field's variable, parser, default and help) is in tba/config/fields.py
 and the value parsers (and :func:`parse_size`, :func:`format_size`) in tba/config/values.py;
-this module holds :class:`Config` and the environment.
+this module holds :class:`Config` and the environment. The parsers that other parts use too
+(``tba`` command's flags, ``tba plan``'s budget) are re-exported here: one rule and one error
+wording per kind of value.
 """
 
 from __future__ import annotations
@@ -27,12 +29,28 @@ from .values import (
     RECOMPUTED,
     SELECTIVE,
     format_size,
+    parse_budget,
+    parse_rate,
+    parse_seconds,
     parse_size,
+    parse_tbw,
+    positive_number,
+    seconds_between,
+    size_at_least,
+    whole_number,
 )
 
 __all__ = [
     "Config",
     "parse_size",
+    "parse_budget",
+    "parse_rate",
+    "parse_seconds",
+    "parse_tbw",
+    "positive_number",
+    "seconds_between",
+    "size_at_least",
+    "whole_number",
     "format_size",
     "environment",
     "BACKENDS",

@@ -12,20 +12,20 @@ from .values import (
     POLICIES,
     _block_policy,
     _bool,
-    _budget,
     _choice,
-    _count,
     _keep,
     _optional_file,
     _optional_path,
     _optional_rank,
     _path,
     _quota,
-    _rate,
-    _seconds,
-    _size_at_least,
-    _tbw,
+    parse_budget,
+    parse_rate,
+    parse_seconds,
     parse_size,
+    parse_tbw,
+    size_at_least,
+    whole_number,
 )
 
 __all__ = ["BACKENDS", "CHECKSUMS", "LOG_LEVELS"]
@@ -75,20 +75,20 @@ _FIELDS: dict[str, _Field] = {
     ),
     "io_threads": _Field(
         "TBA_IO_THREADS",
-        _count(1),
+        whole_number(1),
         4,
         "Threads issuing reads and writes. More gives more requests in flight on the drive.",
     ),
     "io_depth": _Field(
         "TBA_IO_DEPTH",
-        _count(1),
+        whole_number(1),
         32,
         "Requests the native engine keeps in flight (its io_uring queue depth, or its thread "
         "count when io_uring is unavailable).",
     ),
     "gds_task_bytes": _Field(
         "TBA_GDS_TASK_BYTES",
-        _size_at_least(4096),
+        size_at_least(4096),
         8 << 20,
         "kvikio backend: each read or write is split into tasks of this size, spread over "
         "TBA_IO_THREADS threads.",
@@ -102,7 +102,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "staging_bytes": _Field(
         "TBA_STAGING_BYTES",
-        _size_at_least(1 << 20),
+        size_at_least(1 << 20),
         256 << 20,
         "Size of the aligned (pinned on CUDA) staging pool; on the CPU it also bounds the "
         "tensors held for a write from their own memory. When it is full, new tensors stay "
@@ -110,7 +110,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "prefetch_bytes": _Field(
         "TBA_PREFETCH_BYTES",
-        _size_at_least(1 << 20),
+        size_at_least(1 << 20),
         128 << 20,
         "Most bytes of reads in flight, or read back and not yet used, during backward.",
     ),
@@ -133,7 +133,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "staging_wait": _Field(
         "TBA_STAGING_WAIT",
-        _seconds,
+        parse_seconds,
         10.0,
         "With TBA_STAGING_FULL=wait: the longest one pack waits for staging. After a timeout the "
         "tensor is kept and the rest of the step keeps without waiting.",
@@ -168,7 +168,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "memory_budget": _Field(
         "TBA_MEMORY_BUDGET",
-        _budget,
+        parse_budget,
         None,
         "Most bytes of saved tensors tba may hold in memory during a step, the read-ahead "
         "window and kept blocks included: a size such as 2GiB, or a fraction of the step's "
@@ -191,7 +191,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "ssd_tbw": _Field(
         "TBA_SSD_TBW",
-        _tbw,
+        parse_tbw,
         None,
         "Rated endurance of the spill drive in terabytes written (TBW), e.g. 3500; the sidecar "
         "then projects days left at the current write rate (tba_ssd_projected_days_left).",
@@ -204,13 +204,13 @@ _FIELDS: dict[str, _Field] = {
     ),
     "slab_bytes": _Field(
         "TBA_SLAB_BYTES",
-        _size_at_least(1 << 20),
+        size_at_least(1 << 20),
         1 << 30,
         "Size of each preallocated spill file. Extents inside slabs are reused.",
     ),
     "group_bytes": _Field(
         "TBA_GROUP_BYTES",
-        _size_at_least(1 << 20),
+        size_at_least(1 << 20),
         64 << 20,
         "Without a model to take blocks from, a new group starts every this many packed bytes.",
     ),
@@ -233,14 +233,14 @@ _FIELDS: dict[str, _Field] = {
     ),
     "max_write_bps": _Field(
         "TBA_MAX_WRITE_BPS",
-        _rate,
+        parse_rate,
         None,
         "Cap on spill write bandwidth, e.g. 300MB/s (a token bucket in the backend): leaves the "
         "drive to data loading and checkpoints, limits wear, emulates a slower disk. 0: no cap.",
     ),
     "max_read_bps": _Field(
         "TBA_MAX_READ_BPS",
-        _rate,
+        parse_rate,
         None,
         "Cap on spill read bandwidth, e.g. 1GB/s (a token bucket in the backend). 0: no cap.",
     ),

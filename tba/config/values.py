@@ -82,7 +82,7 @@ def _bool(value: Any) -> bool:
     raise ValueParseError(value, "1 or 0 (also true/false, yes/no, on/off)")
 
 
-def _count(minimum: int) -> Callable[[Any], int]:
+def whole_number(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool):
             raise ValueParseError(value, f"a whole number >= {minimum}")
@@ -99,13 +99,16 @@ def _count(minimum: int) -> Callable[[Any], int]:
     return parse
 
 
-def _size_at_least(minimum: int) -> Callable[[Any], int]:
+def size_at_least(minimum: int) -> Callable[[Any], int]:
+    least = "more than 0" if minimum <= 1 else f"at least {format_size(minimum)}"
+
     def parse(value: Any) -> int:
-        n = parse_size(value)
+        try:
+            n = parse_size(value)
+        except ValueParseError:
+            n = -1
         if n < minimum:
-            raise ValueParseError(
-                value, f"a size of at least {format_size(minimum)}, such as 64MiB"
-            )
+            raise ValueParseError(value, f"a size of {least}, such as 64MiB or 1GiB")
         return n
 
     return parse
@@ -150,7 +153,7 @@ def _quota(value: Any) -> int | None:
     return n
 
 
-def _tbw(value: Any) -> float | None:
+def parse_tbw(value: Any) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
         return None
     text = str(value).strip().lower().removesuffix("tbw").removesuffix("tb").strip()
@@ -165,7 +168,7 @@ def _tbw(value: Any) -> float | None:
     return tb
 
 
-def _rate(value: Any) -> int | None:
+def parse_rate(value: Any) -> int | None:
     """Bytes per second: ``300MB``, ``300MB/s``, ``1GiB/s``; 0, 'none' or empty mean no limit."""
     if value is None:
         return None
@@ -187,7 +190,7 @@ def _rate(value: Any) -> int | None:
     return n
 
 
-def _seconds(value: Any) -> float:
+def parse_seconds(value: Any) -> float:
     """A duration: ``10``, ``2.5``, ``500ms``, ``30s``; more than 0."""
     text = str(value).strip().lower() if not isinstance(value, (int, float)) else value
     scale = 1.0
@@ -205,6 +208,37 @@ def _seconds(value: Any) -> float:
     return n
 
 
+def seconds_between(low: float, high: float, example: str) -> Callable[[Any], float]:
+    """A duration as :func:`parse_seconds` reads it, from ``low`` to ``high`` seconds."""
+    expected = f"a duration from {low:g} to {high:g} seconds, such as {example} or {example}s"
+
+    def parse(value: Any) -> float:
+        try:
+            n = parse_seconds(value)
+        except ValueParseError:
+            n = float("nan")
+        if not low <= n <= high:
+            raise ValueParseError(value, expected)
+        return n
+
+    return parse
+
+
+def positive_number(example: str) -> Callable[[Any], float]:
+    """A finite number above 0 (``4.8``, ``400e12``)."""
+
+    def parse(value: Any) -> float:
+        try:
+            n = float(value)
+        except (TypeError, ValueError):
+            n = 0.0
+        if isinstance(value, bool) or not 0 < n < float("inf"):
+            raise ValueParseError(value, f"a number above 0, such as {example}")
+        return n
+
+    return parse
+
+
 def _optional_file(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -219,7 +253,7 @@ def _keep(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
-        return _count(0)(value)
+        return whole_number(0)(value)
     except ValueParseError:
         raise ValueParseError(value, "'auto' or a whole number >= 0") from None
 
@@ -227,7 +261,7 @@ def _keep(value: Any) -> int | str:
 def _optional_rank(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    return _count(0)(value)
+    return whole_number(0)(value)
 
 
 POLICIES = ("auto", "offload", "recompute", "selective", "keep")
@@ -269,7 +303,7 @@ def _block_policy(value: Any) -> tuple[tuple[int, str], ...] | None:
     out: dict[int, str] = {}
     for i, action in pairs:
         try:
-            index = _count(0)(i)
+            index = whole_number(0)(i)
         except ValueParseError:
             raise ValueParseError(value, _BLOCK_POLICY_HELP) from None
         if not isinstance(action, str) or action.strip().lower() not in BLOCK_ACTIONS:
@@ -286,7 +320,7 @@ _BUDGET_EXPECTED = (
 )
 
 
-def _budget(value: Any) -> int | float | None:
+def parse_budget(value: Any) -> int | float | None:
     """TBA_MEMORY_BUDGET: ``None`` (no budget), a fraction (a float in (0, 1]) of the step's
     saved bytes, or bytes (an int of at least 1 MiB). A number with a point or a percent sign
     is a fraction, a whole number or a size is bytes (NOTE [Memory budget] in

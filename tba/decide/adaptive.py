@@ -6,7 +6,7 @@ last K blocks resident costs their memory; keeping too few makes backward wait f
 writes that have not finished). After each step whose backward has run, the offloader feeds the
 step's measurements to :class:`KeepController`: per group, the forward and backward compute
 time and the bytes that could be offloaded, and the achieved write and read bandwidth of the
-step. For each candidate K, :func:`simulate` replays the step with the simulator `tba plan`
+step. For each candidate K, :func:`simulate_keep` replays the step with the simulator `tba plan`
 uses (NOTE [Simulator] in tba/decide/simulator/engine.py), in its plain case: each group's bytes cut
 into pieces produced and consumed evenly over its time (``pieces`` in tba/decide/simulator/rules.py;
 no piece larger than the step's largest read, so the window holds as many as at run time),
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .budget import MIN_WINDOW, allowed_bytes, widest_window, window_room
-from .cadence import DRIFT, STALL_SHARE, Pacer, stalled_seconds
+from .cadence import DRIFT, STALL_SHARE, Cadence, stalled_seconds
 from .readahead import DepthController
 from .simulator import DEPTH_SAFETY, PIECE, Engine, Saved, Setup, Span, pieces, read_ahead
 
@@ -49,11 +49,11 @@ __all__ = [
     "adapt",
     "PIECE",
     "DepthController",
-    "Group",
+    "MeasuredGroup",
     "KeepController",
-    "Prediction",
+    "KeepPrediction",
     "read_ahead",
-    "simulate",
+    "simulate_keep",
 ]
 
 log = logging.getLogger("tba")
@@ -67,7 +67,7 @@ FIRST_K = 1
 
 
 @dataclass(frozen=True)
-class Group:
+class MeasuredGroup:
     fwd: float  # seconds of forward compute
     bwd: float  # seconds of backward compute
     nbytes: int  # bytes this group offloads when it is not kept
@@ -75,7 +75,7 @@ class Group:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class KeepPrediction:
     k: int
     step_seconds: float
     stall_seconds: float
@@ -85,15 +85,20 @@ class Prediction:
     window: int = 0  # the read-ahead window it was predicted with
 
 
-def simulate(
-    groups: list[Group], kept_from: int, write_bps: float, read_bps: float, prefetch: int, k: int
-) -> Prediction:
+def simulate_keep(
+    groups: list[MeasuredGroup],
+    kept_from: int,
+    write_bps: float,
+    read_bps: float,
+    prefetch: int,
+    k: int,
+) -> KeepPrediction:
     """Replay one step with groups ``kept_from`` onwards resident, ``prefetch`` bytes of
     read-ahead; see NOTE [Adaptive keep]."""
     return _predict(_spans(groups), kept_from, write_bps, read_bps, prefetch, k)
 
 
-def _spans(groups: list[Group], piece: int = PIECE) -> list[Span]:
+def _spans(groups: list[MeasuredGroup], piece: int = PIECE) -> list[Span]:
     return [Span(g.fwd, g.bwd, pieces(g.nbytes, size=piece) + _floor(g.floor)) for g in groups]
 
 
@@ -109,12 +114,12 @@ def _predict(
     prefetch: int,
     k: int,
     memory: bool = False,
-) -> Prediction:
+) -> KeepPrediction:
     setup = Setup(write_bps=write_bps, read_bps=read_bps, prefetch_bytes=prefetch)
     engine = Engine(setup, memory=memory)  # without a budget the decision needs times only
     got = engine.step(spans, kept_from, k)
     peak = engine.peaks()[0] if memory else 0
-    return Prediction(
+    return KeepPrediction(
         k,
         got.step_seconds,
         got.stall_seconds,
@@ -129,7 +134,7 @@ class KeepController:
     """Chooses K for ``TBA_KEEP_LAST=auto``; a fixed number just stays. See the NOTE.
 
     ``budget`` is TBA_MEMORY_BUDGET (NOTE [Memory budget]); :attr:`room` is then the largest
-    read-ahead window the budget leaves at the chosen K (None: no budget, no limit). ``pacer``
+    read-ahead window the budget leaves at the chosen K (None: no budget, no limit). ``cadence``
     spaces the decisions (NOTE [Decision cost] in tba/decide/cadence.py).
     """
 
@@ -139,10 +144,10 @@ class KeepController:
         prefetch_bytes: int,
         every: int = 20,
         budget: int | float | None = None,
-        pacer: Pacer | None = None,
+        cadence: Cadence | None = None,
         bounded: bool = False,
     ):
-        self.pacer = pacer or Pacer()
+        self.cadence = cadence or Cadence()
         self.auto = setting == "auto"
         first = 0 if bounded or budget is not None else FIRST_K
         self.k = first if self.auto else int(setting)
@@ -191,7 +196,7 @@ class KeepController:
         if over and predicted:  # the model underestimated this step's peak: plan with less
             self.margin = max(self.margin, peak_bytes - predicted)
         groups = [
-            Group(
+            MeasuredGroup(
                 x["fwd_seconds"],
                 x["bwd_seconds"],
                 x["offloaded_bytes"] + x["keepable_bytes"],
@@ -206,12 +211,12 @@ class KeepController:
             abs(now - then) > DRIFT * then for now, then in zip(basis, self.basis)
         )
         due = step - self.decided_at >= self.every
-        ready = self.pacer.ready(base)
+        ready = self.cadence.ready(base)
         if not (drifted or due or over or stalled > STALL_SHARE * base):
             return
         if not (ready or over):  # NOTE [Decision cost] in tba/decide/cadence.py
             return
-        t0 = self.pacer.start()
+        t0 = self.cadence.start()
         spans = _spans(groups, min(PIECE, largest_read) if largest_read else PIECE)
         if allowed is None:
             preds = [
@@ -256,9 +261,9 @@ class KeepController:
             )
         self.room = None if allowed is None else best.window
         self._decided(step, best, why, base, w, r, basis, preds, allowed)
-        self.decision["decision_seconds"] = self.pacer.spent(t0)
+        self.decision["decision_seconds"] = self.cadence.spent(t0)
 
-    def _fit(self, spans, first, w, r, want, smallest, allowed, k) -> Prediction:
+    def _fit(self, spans, first, w, r, want, smallest, allowed, k) -> KeepPrediction:
         """The prediction for ``k`` with the widest window up to ``want`` that keeps the
         predicted peak within ``allowed`` (NOTE [Memory budget]); its peak says whether even
         the smallest window fits."""

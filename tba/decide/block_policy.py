@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from .budget import MIN_WINDOW, widest_window, window_room
-from .cadence import DRIFT, STALL_SHARE, Pacer, stalled_seconds
+from .cadence import DRIFT, STALL_SHARE, Cadence, stalled_seconds
 from .chooser import BARE, SEARCH_SIMS, Cost, choose, predict
 
 __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
@@ -75,9 +75,9 @@ log = logging.getLogger("tba")
 # against a budget of 0.35). So the chooser aims under MARGIN of the budget, and when a step
 # that ran auto's choice measures over the budget all the same, the excess is taken off the
 # target for good and the controller decides again at once, paced or not (NOTE [Decision
-# cost]). It used to wait for its pacer: on W1 at 200 MB/s the first choice (ssoook) was
+# cost]). It used to wait for its cadence: on W1 at 200 MB/s the first choice (ssoook) was
 # predicted at a peak of 264 MB and measured 366 MB, and it ran four steps over the budget
-# before the pacer let the controller decide again; then, charging each of those steps had
+# before the cadence let the controller decide again; then, charging each of those steps had
 # driven the target far down (below zero on W1 at 20 MB/s, three steps of one choice). Now
 # each overrun is of a choice made knowing every earlier one, so each is charged.
 MARGIN = 0.98
@@ -155,10 +155,10 @@ class PolicyController:
         policy: str,
         forced: Any,
         every: int = 20,
-        pacer: Pacer | None = None,
+        cadence: Cadence | None = None,
         staging: tuple[int | None, bool] = (None, False),
     ):
-        self.pacer = pacer or Pacer()
+        self.cadence = cadence or Cadence()
         self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
@@ -253,10 +253,10 @@ class PolicyController:
         drifted = self.basis is None or any(
             abs(now - then) > DRIFT * then for now, then in zip((w, r), self.basis)
         )
-        ready = self.pacer.ready(base)
+        ready = self.cadence.ready(base)
         due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
         if (drifted or due or self.learned or over) and (ready or over):
-            # NOTE [Decision cost]: an overrun does not wait for the pacer
+            # NOTE [Decision cost]: an overrun does not wait for the cadence
             self._decide(step, groups, fixed, w, r, limit, prefetch)
         self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
 
@@ -268,7 +268,7 @@ class PolicyController:
         return int((MARGIN if measured else UNMEASURED_MARGIN) * limit) - self.excess
 
     def _decide(self, step, groups, fixed, w, r, limit, prefetch) -> None:
-        t0 = self.pacer.start()
+        t0 = self.cadence.start()
         target = self._target(limit)
         got = choose(
             groups,
@@ -285,7 +285,7 @@ class PolicyController:
             unmeasured_budget=self._target(limit, measured=False),
             measured=self.measured,
         )
-        spent = self.pacer.spent(t0)
+        spent = self.cadence.spent(t0)
         self.learned = False
         self.fits = got.fits
         known = tuple(got.best.actions) in self.measured

@@ -7,7 +7,7 @@ A decision replays the step in the simulator once per candidate: adaptive keep o
 times for a 16-block model), the chooser up to SEARCH_SIMS assignments (NOTE [Chooser]). That is
 Python on the training thread, about 2.5 ms a replay for 16 blocks. On a CPU step of seconds it
 does not show; on an H200, whose 16-block Llama step takes 75 ms, adaptive keep re-deciding
-after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Pacer`): after
+after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Cadence`): after
 one that took d seconds, the next waits until the steps since have computed for at least
 d / DECISION_SHARE seconds, whatever asks for it (the schedule, a drift, a stall). The first
 decision waits for nothing, and neither does a controller (adaptive keep, or auto's chooser)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["DECISION_SHARE", "DRIFT", "STALL_SHARE", "Pacer", "stalled_seconds"]
+__all__ = ["DECISION_SHARE", "DRIFT", "STALL_SHARE", "Cadence", "stalled_seconds"]
 
 STALL_SHARE = 0.01  # a K is good enough when its predicted stall is at most this share of a step
 DRIFT = 0.25  # re-decide when a bandwidth moves by more than this
@@ -36,7 +36,7 @@ def stalled_seconds(records) -> float:
 DECISION_SHARE = 0.01  # most share of compute time decisions take (the NOTE)
 
 
-class Pacer:
+class Cadence:
     """Spaces a controller's decisions (NOTE [Decision cost]). Each observed step calls
     :meth:`ready` with its compute seconds; a decision runs between :meth:`start` and
     :meth:`spent`."""

@@ -58,7 +58,7 @@ import itertools
 from collections.abc import Collection, Sequence
 
 from ..config import BLOCK_ACTIONS, SELECTIVE
-from .simulator import Engine, Setup, Span, layout
+from .simulator import Engine, Setup, Span, measured_pieces
 
 ACTIONS = BLOCK_ACTIONS  # keep, offload, recompute, recompute_offload, selective
 WRITES = ("offload", "recompute_offload")  # the actions whose bytes go to disk
@@ -132,7 +132,7 @@ class Cost:
         cached = (self.cached_bytes or 0) if action == SELECTIVE else 0
         return Span(
             *self.compute(action),
-            layout(self.nbytes, self.sizes),
+            measured_pieces(self.nbytes, self.sizes),
             self.input_bytes,
             self.again(action),
             cached,

@@ -33,7 +33,7 @@ import itertools
 import math
 from typing import Any
 
-from ..config.values import _budget
+from ..config import parse_budget
 from ..decide.block_policy import DEFAULT_BUDGET_SHARE
 from ..decide.budget import allowed_bytes, describe
 from ..decide.chooser import Cost, Prediction, choose, predict
@@ -85,7 +85,7 @@ def budget_for(
     """The budget in bytes (None: unbounded) and where it comes from (NOTE [Planner mix])."""
     if text is not None:
         try:
-            budget = _budget(text)  # TBA_MEMORY_BUDGET's own parser: one meaning for both
+            budget = parse_budget(text)  # TBA_MEMORY_BUDGET's own parser: one meaning for both
         except ValueParseError as e:
             raise PlanInputError(
                 "--budget", f"{text!r} is invalid; expected {e.expected} (as TBA_MEMORY_BUDGET)"

@@ -2,7 +2,7 @@
 
 NOTE [Relay overlap]
 1. A step fetches layers in one known order: 0..L-1 for the forward, then L-1 down to the
-   lowest trainable layer for the backward. ``Prefetcher`` keeps up to ``read_ahead`` fetches
+   lowest trainable layer for the backward. ``LayerPrefetcher`` keeps up to ``read_ahead`` fetches
    issued beyond the one in use (host tier: copies on the EPS's fetch worker, in order; SSD
    tier: asynchronous reads on the backend's I/O threads).
 2. With workers (RelayConfig.workers), ``Updater`` runs each layer's optimizer step on one
@@ -27,10 +27,10 @@ import torch
 from ._eps import EPS, Fetched
 from ._meter import Meter
 
-__all__ = ["Prefetcher", "Updater"]
+__all__ = ["LayerPrefetcher", "Updater"]
 
 
-class Prefetcher:
+class LayerPrefetcher:
     def __init__(self, eps: EPS, ahead: int, meter: Meter):
         self._eps = eps
         self._ahead = ahead

@@ -37,7 +37,7 @@ from ._eps import EPS, HostEPS
 from ._errors import RelayConfigError, describe
 from ._layers import Layers, as_layers
 from ._meter import Meter
-from ._pipeline import Prefetcher, Updater
+from ._pipeline import LayerPrefetcher, Updater
 from ._rng import replaying, rng_state
 from ._stash import DiskStash, MemoryStash
 from ._weights import Slots, WeightTokens
@@ -126,7 +126,7 @@ class Relay:
             self._stash = MemoryStash(self._meter)
         self._tokens = None if cfg.recompute else WeightTokens(self._meter)
         ahead = cfg.read_ahead if cfg.overlap and self._eps.async_fetch else 0
-        self._prefetcher = Prefetcher(self._eps, ahead, self._meter)
+        self._prefetcher = LayerPrefetcher(self._eps, ahead, self._meter)
         workers = cfg.use_workers()
         self._updater = Updater(self._eps, workers, cfg.max_pending_updates, self._meter)
         self.param_bytes = sum(e.layout.data_bytes for e in self._eps.entries)

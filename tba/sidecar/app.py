@@ -39,9 +39,9 @@ from prometheus_client.exposition import choose_encoder
 
 from ..storage.spilldir import host_tag
 from . import endurance, views
-from ._log import event, loop_exception
 from .http import HttpServer, Request, Response
 from .janitor import Janitor
+from .jsonlog import event, loop_exception
 from .node import NodeCollector
 from .rankfiles import RankCollector, read_dir
 from .settings import Settings, SidecarError, check_metrics_dir

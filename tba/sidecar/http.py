@@ -52,7 +52,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from ._log import event
+from .jsonlog import event
 
 __all__ = ["HttpServer", "Request", "Response"]
 

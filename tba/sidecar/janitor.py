@@ -36,8 +36,8 @@ import stat
 
 from prometheus_client.multiprocess import mark_process_dead
 
-from ..storage.spilldir import _DIR_FLAGS, _pid_alive, sweep_stale
-from ._log import event
+from ..storage.spilldir import DIR_FLAGS, pid_alive, sweep_stale
+from .jsonlog import event
 from .rankfiles import LIVE_GAUGE_MODES, DirReading, parse_name
 from .spill import RootScan
 
@@ -121,7 +121,7 @@ class Janitor:
             if parsed and parsed[0] == "gauge" and parsed[1] in LIVE_GAUGE_MODES and parsed[2]:
                 pids.add(parsed[2])
         for pid in sorted(pids):
-            if pid == me or pid in locked or _pid_alive(pid):
+            if pid == me or pid in locked or pid_alive(pid):
                 continue
             names = [f.name for f in reading.files if f.pid == pid and f.live_gauge]
             odd = [
@@ -184,7 +184,7 @@ class Janitor:
     # -- NOTE rule 2 -----------------------------------------------------------------------------
     def _spill(self, scan: RootScan, report: JanitorReport) -> None:
         try:
-            root_fd = os.open(scan.root, _DIR_FLAGS)
+            root_fd = os.open(scan.root, DIR_FLAGS)
         except OSError:
             return  # gone or replaced since the scan: the next scan reports it
         try:

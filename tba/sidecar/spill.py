@@ -17,9 +17,10 @@ import os
 import stat
 from typing import Any
 
-from ..storage.spilldir import _DIR_FLAGS, _pid_alive, dir_name_pattern, host_tag
+from ..storage import nodequota
+from ..storage.spilldir import DIR_FLAGS, dir_name_pattern, host_tag, pid_alive
 
-__all__ = ["RootScan", "SpillEntry", "flock_holders", "read_ledger", "scan_root"]
+__all__ = ["RootScan", "SpillEntry", "flock_holders", "ledger_status", "scan_root"]
 
 
 def flock_holders(path: str = "/proc/locks") -> dict[tuple[int, int], int]:
@@ -82,7 +83,7 @@ class RootScan:
 
 def _empty(root_fd: int, name: str) -> bool | None:
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
     except OSError:
         return None
     try:
@@ -96,7 +97,7 @@ def _empty(root_fd: int, name: str) -> bool | None:
 def scan_root(root: str, locks: dict[tuple[int, int], int]) -> RootScan:
     """Blocking: run it in an executor."""
     try:
-        root_fd = os.open(root, _DIR_FLAGS)
+        root_fd = os.open(root, DIR_FLAGS)
     except OSError as e:
         if e.errno == errno.ENOENT:
             why = "does not exist yet (the first rank creates it)"
@@ -146,7 +147,7 @@ def scan_root(root: str, locks: dict[tuple[int, int], int]) -> RootScan:
                 kind=kind,
                 locked=lock_pid is not None,
                 lock_pid=lock_pid,
-                pid_alive=_pid_alive(pid) if host == me else None,
+                pid_alive=pid_alive(pid) if host == me else None,
                 empty=None,
             )
             if kind == "dir" and not entry.locked and entry.pid_alive is False:
@@ -154,24 +155,15 @@ def scan_root(root: str, locks: dict[tuple[int, int], int]) -> RootScan:
             scan.entries.append(entry)
     finally:
         os.close(root_fd)
-    scan.ledger = read_ledger(root)
+    scan.ledger = ledger_status(root)
     return scan
 
 
-def read_ledger(root: str) -> dict[str, Any]:
+def ledger_status(root: str) -> dict[str, Any]:
     """The node quota ledger under ``root``, as a JSON-able dict with ``available`` and, when
     it could be read, what :func:`tba.storage.nodequota.read_ledger` returned."""
     try:
-        from ..storage import nodequota  # written alongside the sidecar; may be absent
-    except ImportError:
-        return {
-            "available": False,
-            "reason": "this tba has no tba.storage.nodequota (node quota not built in)",
-        }
-    try:
         value = nodequota.read_ledger(root)
-    except FileNotFoundError:
-        return {"available": False, "reason": "no ledger: TBA_NODE_MAX_DISK_BYTES is not in use"}
     except Exception as e:  # the ledger is another component's file: report, never fail a scan
         return {"available": False, "reason": f"{type(e).__name__}: {e}"}
     if value is None:

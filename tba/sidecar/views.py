@@ -9,7 +9,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..storage.spilldir import _pid_alive
+from ..storage.spilldir import pid_alive
 from . import endurance
 from .janitor import KINDS, JanitorReport
 from .node import NodeSnapshot
@@ -82,7 +82,7 @@ def ranks(sc: Sidecar) -> list[dict[str, Any]]:
                     "pid": f.pid,
                     "host": sc.host,
                     "ranks": set(),
-                    "alive": f.pid != me and _pid_alive(f.pid),
+                    "alive": f.pid != me and pid_alive(f.pid),
                     "spill_dirs": [],
                     "metrics_files": 0,
                 }

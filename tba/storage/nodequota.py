@@ -64,7 +64,7 @@ from typing import Any
 
 from ..config import format_size
 from ..errors import ConfigError, TBAError
-from .spilldir import _pid_alive, dir_name_pattern, host_tag
+from .spilldir import DIR_FLAGS, dir_name_pattern, host_tag, pid_alive
 
 __all__ = ["LEDGER_NAME", "NodeQuota", "read_ledger"]
 
@@ -74,13 +74,12 @@ LEDGER_NAME = ".tba-node-quota"
 _VERSION = 2
 _WANT_SECONDS = 30.0  # NOTE 6: a refusal counts as wanting space for this long
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _entry_alive(root_fd: int, entry: dict[str, Any]) -> bool:
     """NOTE 4: the entry's directory exists and someone holds its lock."""
     try:
-        fd = os.open(entry["dir"], _DIR_FLAGS, dir_fd=root_fd)
+        fd = os.open(entry["dir"], DIR_FLAGS, dir_fd=root_fd)
     except FileNotFoundError:
         return False
     except OSError as e:
@@ -88,7 +87,7 @@ def _entry_alive(root_fd: int, entry: dict[str, Any]) -> bool:
             return False  # a symlink or a file in its place: no tba process owns it
         if entry["host"] != host_tag():
             return True
-        return _pid_alive(entry["pid"])
+        return pid_alive(entry["pid"])
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
@@ -358,7 +357,7 @@ def read_ledger(root: str) -> dict[str, Any] | None:
     root = os.path.abspath(root)
     shown = os.path.join(root, LEDGER_NAME)
     try:
-        root_fd = os.open(root, _DIR_FLAGS)
+        root_fd = os.open(root, DIR_FLAGS)
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -31,11 +31,11 @@ import threading
 
 from ..errors import ConfigError
 
-__all__ = ["SpillDir", "dir_name_pattern", "host_tag"]
+__all__ = ["DIR_FLAGS", "SpillDir", "dir_name_pattern", "host_tag", "pid_alive", "sweep_stale"]
 
 log = logging.getLogger("tba.storage")
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # no symlink, no FIFO
 _NAME_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-rank(?P<rank>\d+)(?:\.(?P<seq>\d+))?$")
 
 # Per-process directories this process made and still holds, as (root dev, root ino, name).
@@ -52,7 +52,7 @@ def dir_name_pattern() -> re.Pattern[str]:
     return _NAME_RE
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # never "dead": os.kill(0, ...) would mean our process group
     try:
@@ -80,7 +80,7 @@ def _symlink_error(path: str) -> ConfigError:
 def _open_dir(path: str, dir_fd: int | None = None, shown: str | None = None) -> int:
     shown = shown or path
     try:
-        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+        return os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         is_link = e.errno == errno.ELOOP
         if e.errno == errno.ENOTDIR:  # O_NOFOLLOW | O_DIRECTORY on a symlink gives ENOTDIR
@@ -245,10 +245,10 @@ def sweep_stale(root_fd: int, root: str, root_key: tuple[int, int]) -> list[str]
             with _ours_lock:
                 if (*root_key, name) in _ours:
                     continue
-        elif _pid_alive(pid):
+        elif pid_alive(pid):
             continue
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+            fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
         except OSError:
             continue  # a symlink (ELOOP), not a directory, or gone: not ours to touch
         try:

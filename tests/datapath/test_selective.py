@@ -13,7 +13,7 @@ import torch.nn as nn
 import tba.datapath.blocks.selective as selective
 from tba.datapath.blocks.selective import _has_dropout, kept_by_selective
 from tba.decide.block_policy import PolicyController
-from tba.decide.cadence import Pacer
+from tba.decide.cadence import Cadence
 from tba.decide.chooser import Cost, choose, predict
 from tba.testing import GPT, GPTConfig, random_batch
 
@@ -235,7 +235,7 @@ def records(actions, cacheable=64 * MiB, cached=64 * MiB, again=None):
 def test_controller_prior_then_measured_selective():
     """NOTE [Selective recompute cost]: before a block runs selective it is charged a prior
     from what the probe saw; the first measurement replaces it and decides again."""
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     groups = [g for g in ctl._costs(records(["recompute"] * 6, again=0.13))[0] if g.block]
     assert all(g.cached_bytes == 64 * MiB for g in groups)
     # the prior: the full recompute, less the share of the block's saves selective keeps

@@ -12,14 +12,14 @@ import torch
 import tba
 from tba.decide.adaptive import (
     DEPTH_SAFETY,
-    Group,
     KeepController,
+    MeasuredGroup,
     adapt,
-    simulate,
+    simulate_keep,
 )
 from tba.decide.block_policy import PolicyController
 from tba.decide.budget import ROOM_STEPS, widest_window
-from tba.decide.cadence import Pacer
+from tba.decide.cadence import Cadence
 from tba.decide.readahead import FLOOR_AGE, DepthController
 from tba.testing import GPT, GPTConfig, random_batch
 
@@ -31,12 +31,12 @@ MB = 10**6
 
 
 def blocks(n, fwd=0.1, bwd=0.2, nbytes=100 * MB):
-    return [Group(fwd, bwd, nbytes) for _ in range(n)]
+    return [MeasuredGroup(fwd, bwd, nbytes) for _ in range(n)]
 
 
 def test_infinite_bandwidth_never_stalls():
     g = blocks(6)
-    p = simulate(g, kept_from=6, write_bps=1e15, read_bps=1e15, prefetch=1 << 30, k=0)
+    p = simulate_keep(g, kept_from=6, write_bps=1e15, read_bps=1e15, prefetch=1 << 30, k=0)
     assert p.stall_seconds == pytest.approx(0, abs=1e-6)
     assert p.step_seconds == pytest.approx(sum(x.fwd + x.bwd for x in g))
     assert p.kept_bytes == 0
@@ -44,14 +44,14 @@ def test_infinite_bandwidth_never_stalls():
 
 def test_keeping_everything_needs_no_disk():
     g = blocks(6)
-    p = simulate(g, kept_from=0, write_bps=1.0, read_bps=1.0, prefetch=1 << 20, k=6)
+    p = simulate_keep(g, kept_from=0, write_bps=1.0, read_bps=1.0, prefetch=1 << 20, k=6)
     assert p.stall_seconds == 0 and p.kept_bytes == 6 * 100 * MB
 
 
 def test_slow_reads_stall_by_the_missing_time():
     # Groups of 10 MB (one piece each) read at 10 MB/s: 1 s per group; backward computes 0.02 s.
     g = blocks(3, fwd=0.1, bwd=0.02, nbytes=10 * MB)
-    p = simulate(g, kept_from=3, write_bps=1e15, read_bps=10 * MB, prefetch=1 << 40, k=0)
+    p = simulate_keep(g, kept_from=3, write_bps=1e15, read_bps=10 * MB, prefetch=1 << 40, k=0)
     # The reader runs back to back from the end of forward (0.3 s): the last read lands at 3.3 s.
     assert p.step_seconds == pytest.approx(0.3 + 3.0 + 0.02, rel=1e-6)
     assert p.stall_seconds == pytest.approx(1.0 + 0.98 + 0.98, rel=1e-6)
@@ -59,7 +59,7 @@ def test_slow_reads_stall_by_the_missing_time():
 
 def test_writes_still_running_are_served_from_staging():
     g = blocks(3)
-    p = simulate(g, kept_from=3, write_bps=1 * MB, read_bps=1e15, prefetch=1 << 40, k=0)
+    p = simulate_keep(g, kept_from=3, write_bps=1 * MB, read_bps=1e15, prefetch=1 << 40, k=0)
     assert p.staged_groups > 0 and p.stall_seconds == 0
 
 
@@ -67,20 +67,22 @@ def test_prefetch_budget_delays_reads():
     # Reads are twice as fast as backward needs, so a roomy budget reads everything ahead; a
     # budget of one piece serialises each read behind the consumption of the previous one.
     g = blocks(6, fwd=0.1, bwd=0.2, nbytes=10 * MB)
-    roomy = simulate(g, 6, 1e15, 100 * MB, prefetch=1 << 40, k=0)
-    tight = simulate(g, 6, 1e15, 100 * MB, prefetch=10 * MB, k=0)
+    roomy = simulate_keep(g, 6, 1e15, 100 * MB, prefetch=1 << 40, k=0)
+    tight = simulate_keep(g, 6, 1e15, 100 * MB, prefetch=10 * MB, k=0)
     assert roomy.stall_seconds == pytest.approx(0.1, rel=1e-6)  # only the first read is exposed
     assert tight.stall_seconds == pytest.approx(6 * 0.1, rel=1e-6)
 
 
 def test_more_bandwidth_is_never_slower_and_more_keep_never_stalls_more():
-    g = [Group(0.1 * (i % 3 + 1), 0.25, (i + 1) * 30 * MB) for i in range(8)]
+    g = [MeasuredGroup(0.1 * (i % 3 + 1), 0.25, (i + 1) * 30 * MB) for i in range(8)]
     for k in range(9):
         first = 8 - k
-        slow = simulate(g, first, 150 * MB, 150 * MB, 64 << 20, k)
-        fast = simulate(g, first, 600 * MB, 600 * MB, 64 << 20, k)
+        slow = simulate_keep(g, first, 150 * MB, 150 * MB, 64 << 20, k)
+        fast = simulate_keep(g, first, 600 * MB, 600 * MB, 64 << 20, k)
         assert fast.step_seconds <= slow.step_seconds + 1e-9
-    stalls = [simulate(g, 8 - k, 150 * MB, 150 * MB, 64 << 20, k).stall_seconds for k in range(9)]
+    stalls = [
+        simulate_keep(g, 8 - k, 150 * MB, 150 * MB, 64 << 20, k).stall_seconds for k in range(9)
+    ]
     assert all(b <= a + 1e-9 for a, b in zip(stalls, stalls[1:]))
 
 
@@ -98,7 +100,7 @@ def records(n, fwd, bwd, nbytes, stall=0.0):
 
 
 def test_controller_keeps_more_when_the_disk_is_slow(caplog):
-    ctl = KeepController("auto", prefetch_bytes=128 << 20, pacer=Pacer(FakeClock()))
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, cadence=Cadence(FakeClock()))
     assert ctl.k == 1 and ctl.decision["mode"] == "auto"
     recs = records(6, 0.1, 0.2, 100 * MB)
     with caplog.at_level(logging.INFO, logger="tba"):
@@ -111,7 +113,7 @@ def test_controller_keeps_more_when_the_disk_is_slow(caplog):
 
 
 def test_controller_waits_between_decisions_unless_something_changes():
-    ctl = KeepController("auto", prefetch_bytes=128 << 20, every=5, pacer=Pacer(FakeClock()))
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, every=5, cadence=Cadence(FakeClock()))
     recs = records(6, 0.1, 0.2, 100 * MB)
     ctl.observe(1, recs, 1e12, 1e12, lambda k: 6 - k, 6)
     decided = dict(ctl.decision)
@@ -135,7 +137,7 @@ class SlowClock:
 def test_decisions_are_paced_to_a_percent_of_compute():
     """NOTE [Decision cost]: a decision of 0.09 s is followed by none until 9 s of compute have
     run (5 steps of 1.8 s), even though every step stalls; then the next one runs."""
-    ctl = KeepController("auto", prefetch_bytes=128 << 20, pacer=Pacer(SlowClock(0.09)))
+    ctl = KeepController("auto", prefetch_bytes=128 << 20, cadence=Cadence(SlowClock(0.09)))
     stalled = records(6, 0.1, 0.2, 100 * MB, stall=0.1)
     ctl.observe(1, stalled, 1e12, 1e12, lambda k: 6 - k, 6)
     assert ctl.decision["step"] == 1
@@ -149,7 +151,7 @@ def test_decisions_are_paced_to_a_percent_of_compute():
 
 def test_a_step_over_the_budget_is_not_paced():
     ctl = KeepController(
-        "auto", prefetch_bytes=128 << 20, budget=300 * MB, pacer=Pacer(SlowClock(10.0))
+        "auto", prefetch_bytes=128 << 20, budget=300 * MB, cadence=Cadence(SlowClock(10.0))
     )
     recs = records(6, 0.1, 0.2, 100 * MB)
     ctl.observe(1, recs, 1e12, 1e12, lambda k: 6 - k, 6, saved_bytes=600 * MB, peak_bytes=0)
@@ -160,7 +162,7 @@ def test_a_step_over_the_budget_is_not_paced():
 def test_the_chooser_is_paced_too():
     from .test_chooser import records as policy_records
 
-    ctl = PolicyController("auto", None, pacer=Pacer(SlowClock(1.0)))
+    ctl = PolicyController("auto", None, cadence=Cadence(SlowClock(1.0)))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, policy_records(["offload"] * 6), 20e6, 20e6, budget, 128 * MIB)
     assert ctl.decision["step"] == 1 and ctl.decision["decision_seconds"] == pytest.approx(1.0)
@@ -405,7 +407,7 @@ def test_a_stall_does_not_park_adaptive_keep_in_keep_all():
     # Before the fix: the stalled step made K=6, which moves no bytes and measures nothing, so
     # the stale slow bandwidth kept K=6 (no memory saved) for as long as nothing else changed.
     ks = drive(
-        KeepController("auto", 128 << 20, pacer=Pacer(FakeClock())),
+        KeepController("auto", 128 << 20, cadence=Cadence(FakeClock())),
         DepthController(128 << 20),
         steps=30,
     )

@@ -10,7 +10,7 @@ import torch
 
 from tba.config import RECOMPUTED
 from tba.decide.block_policy import PolicyController
-from tba.decide.cadence import DRIFT, Pacer
+from tba.decide.cadence import DRIFT, Cadence
 from tba.decide.chooser import ACTIONS, SEARCH_SIMS, Cost, choose, group_actions, predict
 
 from .._core import FakeClock
@@ -139,7 +139,7 @@ def records(actions, stall=0.0, hidden=140 * MiB, again=None):
 
 def test_controller_decides_like_adaptive_keep():
     # decisions cost a fixed 1 ms (a real clock on a loaded host paces step 3's decision away)
-    ctl = PolicyController("auto", None, every=5, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=5, cadence=Cadence(FakeClock()))
     assert ctl.assignment() is None and ctl.default_action() is None  # today's until measured
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
@@ -160,7 +160,7 @@ def test_controller_charges_measured_recompute_and_decides_again_when_it_learns_
     """NOTE [Recompute cost]: until a block is recomputed its recompute is charged its forward;
     once one is measured (here half the forward) every block is charged from that, and the
     controller decides again at once rather than at the schedule."""
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     first = records(["offload"] * 5 + ["keep"])
     ctl.observe(1, first, 20e6, 20e6, budget, 128 * MiB)
@@ -180,7 +180,7 @@ def test_controller_charges_measured_recompute_and_decides_again_when_it_learns_
 
 
 def test_controller_forced_blocks_and_fixed_policies():
-    ctl = PolicyController("auto", ((0, "keep"),), every=5, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", ((0, "keep"),), every=5, cadence=Cadence(FakeClock()))
     ctl.observe(1, records(["keep"] + ["offload"] * 5), 20e6, 20e6, lambda s: s // 3, 64 * MiB)
     assert ctl.assignment()[0] == "keep" and ctl.decision["actions"][0] == "keep"
     for policy, action in (("recompute", "recompute"), ("keep", "keep"), ("offload", None)):
@@ -308,7 +308,7 @@ def test_each_action_is_charged_its_own_measured_compute():
                 x.update(fwd_seconds=0.25, bwd_seconds=0.45)
         return recs
 
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     ctl._costs(records(["recompute"] * 6, again=0.1))
     groups = [g for g in ctl._costs(offloading(records(["offload"] * 6)))[0] if g.block]
     for g in groups:
@@ -334,7 +334,7 @@ def test_hook_time_is_charged_to_offloaded_blocks_only():
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     got, gain = {}, {}
     for pack, unpack in ((0.0, 0.0), (0.01, 0.02)):
-        ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+        ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
         recs = hooked(records(["offload"] * 6), pack, unpack)
         ctl.observe(1, recs, fast, fast, budget, 128 * MiB)
         groups = ctl._costs(recs)[0]
@@ -361,7 +361,7 @@ def test_a_choice_measured_over_the_budget_lowers_the_target():
     """NOTE [Budget margin]: the chooser aims under 0.98 of the budget (0.96 for a choice not
     yet run: NOTE [Unmeasured margin]), and a step that ran its choice and still measured over
     the budget takes the excess off the target at once."""
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     first = records(["offload"] * 5 + ["keep"])
     ctl.observe(1, first, 20e6, 20e6, budget, 128 * MiB)
@@ -410,7 +410,7 @@ def test_the_controller_counts_only_its_choices_as_measured():
     """NOTE [Unmeasured margin]: the calibration step and steps that ran anything but auto's
     choice do not make an assignment measured; a step of the choice does, for the rest of the
     run, and a decision that keeps it aims under 0.98 of the budget."""
-    ctl = PolicyController("auto", None, every=2, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=2, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
     assert not ctl.measured and not ctl.decision["measured"]
@@ -430,7 +430,7 @@ def test_the_controller_remembers_the_assignments_it_ran_last():
     the newest."""
     from tba.decide.block_policy import MEASURED_KEPT
 
-    ctl = PolicyController("auto", None, every=10**6, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=10**6, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
     first = tuple(ctl.assignment()[i] for i in range(6))
@@ -450,14 +450,14 @@ def test_the_controller_remembers_the_assignments_it_ran_last():
 
 def test_an_overrun_decides_at_once_paced_or_not():
     """NOTE [Budget margin]: a step over the budget makes the controller decide again at the
-    next observation even while its pacer says wait (on W1 at 200 MB/s the first choice ran four
-    steps over the budget waiting for the pacer), and each overrun comes off the target."""
+    next observation even while its cadence says wait (on W1 at 200 MB/s the first choice ran four
+    steps over the budget waiting for the cadence), and each overrun comes off the target."""
     clock = FakeClock()
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(clock))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(clock))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 20e6, 20e6, budget, 128 * MiB)
     limit = ctl.decision["budget_bytes"]
-    ctl.pacer.ready = lambda base: False  # decisions paced out for a while
+    ctl.cadence.ready = lambda base: False  # decisions paced out for a while
     ran = [ctl.assignment()[i] for i in range(6)]
     ctl.observe(2, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit)  # at, not over
     assert ctl.decision["step"] == 1 and ctl.excess == 0
@@ -466,7 +466,7 @@ def test_an_overrun_decides_at_once_paced_or_not():
     assert ctl.decision["target_bytes"] == target(ctl, limit, 5 * MiB)
     ran = [ctl.assignment()[i] for i in range(6)]
     ctl.observe(4, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit - MiB)
-    assert ctl.decision["step"] == 3  # within the budget: the pacer stands
+    assert ctl.decision["step"] == 3  # within the budget: the cadence stands
     ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=limit + 3 * MiB)
     assert ctl.decision["step"] == 5 and ctl.excess == 8 * MiB
     assert ctl.decision["target_bytes"] == target(ctl, limit, 8 * MiB)
@@ -522,7 +522,7 @@ def test_the_choice_holds_the_budget_at_a_slower_write_rate():
 
 
 def test_the_controller_decides_with_the_write_spread():
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 400e6, 400e6, budget, 128 * MiB)
     gs, _ = ctl._costs(records(["offload"] * 5 + ["keep"]))
@@ -542,7 +542,7 @@ def test_a_window_raised_after_the_choice_is_cut_to_what_the_choice_leaves():
     """NOTE [Window under auto]: auto chose at one window; a stall later raises the window
     (DepthController), which adds to the peak of the assignment in force. Between decisions the
     controller says how wide a window that assignment leaves within its target."""
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: int(0.35 * saved)  # noqa: E731
     ctl.observe(1, records(["offload"] * 5 + ["keep"]), 1e9, 1e9, budget, 8 * MiB, 0, 8 * MiB)
     assert ctl.decision["step"] == 1 and ctl.room is None  # chosen at this window: it fits
@@ -564,7 +564,7 @@ def test_a_window_raised_after_the_choice_is_cut_to_what_the_choice_leaves():
 def test_a_window_past_an_unreachable_target_adds_nothing_to_the_peak():
     """NOTE [Window past the budget]: when no assignment fits, cutting the window to one read
     meets nothing; the room is the widest window whose peak is no higher than that one's."""
-    ctl = PolicyController("auto", None, every=50, pacer=Pacer(FakeClock()))
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: 20 * MiB  # noqa: E731 - below any assignment's peak
     ctl.observe(1, records(["offload"] * 6), 1e9, 1e9, budget, 8 * MiB, 0, 8 * MiB)
     assert not ctl.fits and ctl.room is None  # lowest peak, chosen at this window

@@ -10,25 +10,39 @@ import pytest
 from tba import plan as P
 from tba.datapath.blocks.groups import GroupTracker
 from tba.decide import adaptive
-from tba.decide.simulator import PIECE, Engine, Saved, Setup, Span, kept_from, layout, pieces
+from tba.decide.simulator import (
+    PIECE,
+    Engine,
+    Saved,
+    Setup,
+    Span,
+    kept_from,
+    measured_pieces,
+    pieces,
+)
 
 MiB = 1 << 20
 
 
 # -- the rules ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_blocks", [1, 3, 6])
-def test_the_keep_rule_is_the_runtimes(n_blocks):
-    # With a model, tba numbers groups 0 (before the first block), 2i+1 (block i), 2i+2 (after)
+def test_the_keep_rule_over_the_runtimes_numbering(n_blocks):
+    # With a model, tba numbers groups 0 (before the first block), 2i+1 (block i), 2i+2 (after):
+    # keep-last k keeps from block n-k on, every block once k reaches n
     tracker = GroupTracker(keep_last=0, group_bytes=MiB)
     tracker.n_blocks = n_blocks
     groups = 2 * n_blocks + 1
     blocks = [i % 2 == 1 for i in range(groups)]
-    for k in range(n_blocks + 1):
-        assert kept_from(blocks, k) == tracker.kept_from(k, groups)
+    assert tracker.kept_from(0, groups) == kept_from(blocks, 0) == groups
+    for k in range(1, n_blocks + 3):
+        want = 2 * max(0, n_blocks - k) + 1
+        assert kept_from(blocks, k) == tracker.kept_from(k, groups) == want
     # Without one, every group is a pack-order window, and a block for K
     tracker.n_blocks = 0
-    for k in range(7):
-        assert kept_from([True] * 6, k) == tracker.kept_from(k, 6)
+    for k in range(9):
+        assert (
+            kept_from([True] * 6, k) == tracker.kept_from(k, 6) == (6 if k == 0 else max(0, 6 - k))
+        )
 
 
 def test_pieces_keep_every_byte_and_cover_the_group_in_order():
@@ -90,16 +104,16 @@ def test_a_full_staging_keeps_or_waits(waits):
 def test_layout_keeps_every_byte_in_pack_order():
     MiB = 1 << 20
     sizes = [8 * MiB, 1000, 2000, 24 * MiB, 3000, 32 * MiB]
-    got = layout(sum(sizes), sizes, "g")
+    got = measured_pieces(sum(sizes), sizes, "g")
     # runs of small ones merge into one; order and bytes stay
     assert [s.nbytes for s in got] == [8 * MiB, 3000, 24 * MiB, 3000, 32 * MiB]
     assert [s.pack_at for s in got] == sorted(s.pack_at for s in got)
     assert [s.use_at for s in got] == sorted((s.use_at for s in got), reverse=True)
     # measured in another step: scaled to the group's bytes, the shape kept
-    half = layout(sum(sizes) // 2, sizes)
+    half = measured_pieces(sum(sizes) // 2, sizes)
     assert sum(s.nbytes for s in half) == sum(sizes) // 2
     assert half[-1].nbytes == pytest.approx(16 * MiB, abs=4)
-    assert layout(10 * PIECE, []) == pieces(10 * PIECE)  # unknown: pieces
+    assert measured_pieces(10 * PIECE, []) == pieces(10 * PIECE)  # unknown: pieces
 
 
 def test_the_simulator_takes_the_measured_layout():
@@ -111,7 +125,7 @@ def test_the_simulator_takes_the_measured_layout():
     MiB = 1 << 20
     sizes = [8 * MiB] * 4 + [96 * MiB]
     su = Setup(write_bps=50e6, read_bps=50e6, prefetch_bytes=128 * MiB)
-    spans = [Span(0.15, 0.3, layout(sum(sizes), sizes)), Span(0.1, 1.0, [])]
+    spans = [Span(0.15, 0.3, measured_pieces(sum(sizes), sizes)), Span(0.1, 1.0, [])]
     assert Engine(su).step(spans, 2).bytes_read == 8 * MiB
     spans[0] = Span(0.15, 0.3, pieces(sum(sizes)))
     assert Engine(su).step(spans, 2).bytes_read == 0
@@ -158,13 +172,13 @@ def test_runtime_and_planner_predict_the_same_step_for_each_k(tmp_path, write_bp
     w, info = P.read_trace(path)
     hw = P.Hardware(info.write_bps, info.read_bps, device="cpu")
     knobs = P.Knobs(prefetch_bytes=window, staging_bytes=1 << 40, min_offload_bytes=MiB)
-    groups = [adaptive.Group(f, b, n) for f, b, n in ROWS]
+    groups = [adaptive.MeasuredGroup(f, b, n) for f, b, n in ROWS]
     n = len(ROWS)
     ctl = adaptive.KeepController("auto", prefetch_bytes=window)
     ctl.observe(1, _records(ROWS), write_bps, read_bps, lambda k: n - k, n)
     for k in range(n + 1):
         planned = P.simulate(w, hw, knobs, k, steps=1)
-        runtime = adaptive.simulate(groups, n - k, write_bps, read_bps, window, k)
+        runtime = adaptive.simulate_keep(groups, n - k, write_bps, read_bps, window, k)
         assert runtime.step_seconds == pytest.approx(planned.step_seconds, rel=1e-12)
         assert runtime.stall_seconds == pytest.approx(planned.stall_seconds, rel=1e-12, abs=1e-12)
         assert ctl.decision["candidates"][k] == round(planned.step_seconds, 4)

@@ -725,8 +725,8 @@ def test_status_functions_that_raise_are_reported(capsys, spill, monkeypatch):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["doctor", "--probe-bytes", "lots"], "'lots' is not a size"),
-        (["doctor", "--probe-bytes", "4096"], "below the minimum"),
+        (["doctor", "--probe-bytes", "lots"], "'lots' is invalid; expected a size of at least"),
+        (["doctor", "--probe-bytes", "4096"], "expected a size of at least 1.0 MiB"),
         (["doctor", "--backend", "nvme"], "invalid choice: 'nvme'"),
         (["doctor", "--bogus"], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: COMMAND"),
@@ -814,7 +814,7 @@ def test_python_dash_m_table_and_exit_codes(tmp_path):
     assert bad.returncode == 1
     assert "result: UNUSABLE: spill dir: " in bad.stdout
     usage = subprocess.run(cmd + ["--probe-bytes", "x"], **_kw())
-    assert usage.returncode == 2 and "is not a size" in usage.stderr
+    assert usage.returncode == 2 and "'x' is invalid; expected a size" in usage.stderr
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 

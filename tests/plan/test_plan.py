@@ -425,10 +425,13 @@ def test_cli_trace(tmp_path, capsys):
     "argv,words",
     [
         (["--heads", "5"], "--heads: must divide --hidden"),
-        (["--hidden", "abc"], "argument --hidden: expected a whole number >= 1"),
-        (["--dtype", "int4"], "argument --dtype: expected one of fp32|bf16|fp16|fp8"),
-        (["--write-gbps", "0"], "argument --write-gbps: expected a number above 0"),
-        (["--prefetch", "lots"], "argument --prefetch: expected a size"),
+        (["--hidden", "abc"], "argument --hidden: 'abc' is invalid; expected a whole number >= 1"),
+        (
+            ["--dtype", "int4"],
+            "argument --dtype: 'int4' is invalid; expected one of fp32|bf16|fp16|fp8",
+        ),
+        (["--write-gbps", "0"], "argument --write-gbps: '0' is invalid; expected a number above 0"),
+        (["--prefetch", "lots"], "argument --prefetch: 'lots' is invalid; expected a size"),
         (["--attention", "sparse"], "argument --attention: invalid choice"),
         (["--tp", "3"], "--tp: must divide --heads"),
     ],

@@ -27,14 +27,22 @@ def _no_tba_env(monkeypatch):
     [
         (
             ["--port", "70000"],
-            "expected a TCP port from 0 to 65535 (0 picks a free one); got '70000'",
+            "argument --port: '70000' is invalid; expected a TCP port from 0 to 65535 (0 picks a "
+            "free one)",
         ),
-        (["--port", "http"], "expected a TCP port from 0 to 65535"),
-        (["--interval", "0"], "expected seconds from 0.1 to 3600, such as 10; got '0'"),
-        (["--interval", "nan"], "expected seconds from 0.1 to 3600"),
-        (["--rate-window", "1e9"], "expected seconds from 1 to 604800"),
-        (["--ssd-tbw", "lots"], "rated endurance in terabytes written (the TBW on its data sheet)"),
-        (["--ssd-tbw", "-3"], "such as 3500 or 3500TB; got '-3'"),
+        (["--port", "http"], "'http' is invalid; expected a TCP port from 0 to 65535"),
+        (
+            ["--interval", "0"],
+            "argument --interval: '0' is invalid; expected a duration from 0.1 to 3600 seconds, "
+            "such as 10 or 10s",
+        ),
+        (["--interval", "nan"], "expected a duration from 0.1 to 3600 seconds"),
+        (["--rate-window", "1e9"], "expected a duration from 1 to 604800 seconds"),
+        (
+            ["--ssd-tbw", "lots"],
+            "'lots' is invalid; expected the drive's rated endurance in terabytes written",
+        ),
+        (["--ssd-tbw", "-3"], "'-3' is invalid; expected a positive number of terabytes"),
         (["--log-level", "chatty"], "argument --log-level: invalid choice: 'CHATTY'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
@@ -43,6 +51,12 @@ def test_bad_flags(capsys, metrics_dir, args, message):
     assert main(["sidecar", "--metrics-dir", metrics_dir, *args]) == 2
     err = capsys.readouterr().err
     assert "usage: tba" in err and message in err
+
+
+def test_durations_take_the_config_units():
+    """--interval reads a duration as TBA_STAGING_WAIT does (one parser for both)."""
+    args = build_parser().parse_args(["sidecar", "--interval", "500ms", "--rate-window", "2s"])
+    assert (args.interval, args.rate_window) == (0.5, 2.0)
 
 
 def test_no_metrics_dir(capsys):

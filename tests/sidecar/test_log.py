@@ -1,4 +1,4 @@
-"""The sidecar process's log (tba/sidecar/_log.py): once installed, whatever reaches stderr is a
+"""The sidecar process's log (tba/sidecar/jsonlog.py): once installed, whatever reaches stderr is a
 JSON line, from tba, from asyncio, from Python warnings and from uncaught exceptions."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ._support import REPO, env
 PROGRAM = textwrap.dedent(
     """
     import asyncio, logging, threading, warnings
-    from tba.sidecar._log import event, install, loop_exception
+    from tba.sidecar.jsonlog import event, install, loop_exception
     install("INFO")
     event(logging.INFO, "hello", n=1)
     logging.getLogger("asyncio").error("from asyncio", exc_info=ValueError("inner"))

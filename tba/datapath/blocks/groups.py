@@ -65,6 +65,7 @@ import torch
 import torch.nn as nn
 
 from ...config import BY_BLOCK, RECOMPUTED, SELECTIVE
+from ...decide.simulator import kept_from
 from ...errors import internal_error
 from ...records.step import StepState
 from .recompute import USER, Recompute, user_checkpointed
@@ -177,17 +178,18 @@ class GroupTracker:
         self.reset(None)
 
     def kept_from(self, k: int, groups: int) -> int:
-        """The first group index kept with ``keep_last=k``, for a step of ``groups`` groups.
+        """The first group index kept with ``keep_last=k``, for a step of ``groups`` groups: the
+        simulator's rule (:func:`tba.decide.simulator.kept_from`) over this tracker's numbering.
 
         With a model, group 2i+1 is block i and the groups between and after blocks follow the
         block before them, except the head under adaptive keep (:attr:`head_kept`: group 2n,
-        kept at every K); without one, groups are the pack-order windows.
+        kept at every K); without one, groups are the pack-order windows, each a block for K.
         """
-        if k <= 0:
-            return min(groups, 2 * self.n_blocks) if self.head_kept else groups
-        if self.n_blocks:
-            return max(1, 2 * (self.n_blocks - k) + 1)
-        return max(0, groups - k)
+        if k <= 0 and self.head_kept:
+            return min(groups, 2 * self.n_blocks)
+        n = self.n_blocks
+        blocks = [i % 2 == 1 and i < 2 * n for i in range(groups)] if n else [True] * groups
+        return kept_from(blocks, k)
 
     @property
     def head_kept(self) -> bool:

@@ -49,7 +49,7 @@ packed, needed by backward and released). The rules, as tba applies them:
 
 The runtime's use is the plain case: the default :class:`Setup` (no copy costs, transfers of
 exactly their bytes, a fixed window). Adaptive keep cuts each group's measured bytes into
-``pieces`` and leaves staging unbounded; the chooser gives each group its measured ``layout``
+``pieces`` and leaves staging unbounded; the chooser gives each group its ``measured_pieces``
 and bounds staging as tba does (rules.py; NOTE [Chooser] in tba/decide/chooser.py). The planner
 sets every field from its hardware and knobs.
 """

@@ -73,12 +73,12 @@ def offloadable(s: Saved, min_offload_bytes: int) -> bool:
 
 def kept_from(blocks: Sequence[bool], keep: int) -> int:
     """The first group that stays resident with keep-last ``keep``, given which groups are
-    blocks: the first of the last ``keep`` blocks (every group after it stays too); the
-    number of groups when ``keep`` is 0. tba's GroupTracker.kept_from
-    (tba/datapath/blocks/groups.py) numbers groups so that it gives the same index."""
+    blocks: the first of the last ``keep`` blocks (every group after it stays too; all blocks
+    when ``keep`` is their number or more); the number of groups when ``keep`` is 0. The
+    runtime's GroupTracker.kept_from (tba/datapath/blocks/groups.py) asks this rule too."""
     if keep <= 0:
         return len(blocks)
-    first = sum(blocks) - keep
+    first = max(0, sum(blocks) - keep)
     seen = 0
     for i, block in enumerate(blocks):
         if block:
@@ -115,15 +115,15 @@ def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
 # chooser predicted W1's blocks read 85 MiB at 50 MB/s where the run read 64, and an assignment
 # offloading four blocks 17 to 22% slower than it ran. A step that packs a group's tensors
 # (kept or offloaded) records each new storage's bytes in pack order (``GroupStat.sizes``);
-# ``layout`` gives the simulator those tensors, the i-th of n packed in the middle of forward
-# slice i and needed and released as ``pieces`` has it. Runs of tensors below ``SMALL`` are
+# ``measured_pieces`` gives the simulator those tensors, the i-th of n packed in the middle of
+# forward slice i and needed and released as ``pieces`` has it. Runs of tensors below ``SMALL`` are
 # merged (their order matters little; the replay's cost grows with the count). When they do
 # not add up to the group's bytes (those were measured in another step, e.g. one that
 # recomputed the block), they are scaled to them; without sizes it is ``pieces``.
 SMALL = 1 << 20
 
 
-def layout(nbytes: int, sizes: Sequence[int], name: str = "") -> list[Saved]:
+def measured_pieces(nbytes: int, sizes: Sequence[int], name: str = "") -> list[Saved]:
     """A group's saved bytes as its measured tensors, else :func:`pieces` (NOTE [Measured
     layout])."""
     total = sum(sizes)
