@@ -166,7 +166,7 @@ class Core:
 
     def begin(self) -> StepState:
         self.steps += 1
-        st = StepState(self.steps)
+        st = StepState(self.steps, self.clock)
         self.groups.begin(st, None)
         return st
 

@@ -8,7 +8,6 @@ must not compile tba's own code (NOTE [Compiled regions] in tba/datapath/blocks/
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -69,12 +68,12 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
         st = self.st
-        t0, stalled = time.perf_counter(), st.stall_seconds
+        t0, stalled = st.clock(), st.stall_seconds
         got = self.packer.pack(t, st)
         gs = self.packer.groups.stat
         if gs is not None:
             waited = st.stall_seconds - stalled  # for staging (NOTE [Staging backpressure])
-            gs.pack_seconds += time.perf_counter() - t0 - waited
+            gs.pack_seconds += st.clock() - t0 - waited
             gs.pack_stall_seconds += waited
         return got
 
@@ -82,15 +81,16 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is Handle:  # the only kind whose unpack can wait on a read
             st = packed.entry.step
-            t0, stalled = time.perf_counter(), st.stall_seconds
+            t0, stalled = st.clock(), st.stall_seconds
             out = self.reader.unpack(packed)
-            packed.stat.unpack_seconds += time.perf_counter() - t0 - (st.stall_seconds - stalled)
+            packed.stat.unpack_seconds += st.clock() - t0 - (st.stall_seconds - stalled)
             return out
         if isinstance(packed, KeptHandle):
-            t0 = time.perf_counter()
+            clock = self.st.clock
+            t0 = clock()
             out = self.reader.unpack(packed)
             if packed.stat is not None:
-                packed.stat.unpack_seconds += time.perf_counter() - t0
+                packed.stat.unpack_seconds += clock() - t0
             return out
         if isinstance(packed, Derived):
             return self.reader.unpack(packed)

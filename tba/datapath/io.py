@@ -17,7 +17,6 @@ import copy
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -27,6 +26,7 @@ import torch
 
 from ..config import Config, format_size
 from ..errors import CapacityError, ConfigError
+from ..host.clock import SYSTEM, Clock
 from ..host.memory import available_memory, io_buffer
 from ..records.entry import Entry
 from ..records.index import Index
@@ -59,7 +59,7 @@ class IO:
         backend: Backend,
         index: Index,
         sink: IOSink,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Clock = SYSTEM,
     ):
         self.lock = threading.RLock()
         self.config = config = with_budget_backpressure(config)

@@ -25,8 +25,10 @@ from ..decide.adaptive import DepthController, KeepController, adapt
 from ..decide.block_policy import DEFAULT_BUDGET_SHARE, PolicyController
 from ..decide.budget import allowed_bytes
 from ..decide.budget import decision as budget_decision
+from ..decide.cadence import Cadence
 from ..decide.keep import Policy
 from ..errors import UsageError
+from ..host.clock import SYSTEM, Clock
 from ..metrics import RankMetrics
 from ..records.index import Index
 from ..records.step import StepState
@@ -48,14 +50,17 @@ class Offloader:
 
     Long-lived: it owns the spill files, the staging pool and the I/O threads. Use one per
     process (or per model) and call :meth:`close` at the end, or use it as a context manager.
+    ``config`` (default: from the environment) takes ``overrides`` by field name. ``clock`` is
+    what every timer of :meth:`stats` reads (tba/host/clock.py); tests pass a fake one.
     """
 
-    def __init__(self, config: Config | None = None, **overrides: Any):
+    def __init__(self, config: Config | None = None, *, clock: Clock = SYSTEM, **overrides: Any):
         if config is None:
             config = Config(**overrides)
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
+        self.clock = clock  # the one clock of every timer (tba/host/clock.py)
         if config.sources.get("log_level") != "default":
             log.setLevel(config.log_level)  # only when asked: the application owns logging
         self.enabled = config.enabled
@@ -82,6 +87,7 @@ class Offloader:
             config.prefetch_bytes,
             budget=config.memory_budget,
             bounded=config.policy == "auto",  # bounded by auto's default budget share
+            cadence=Cadence(clock),
         )
         scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
         self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
@@ -89,7 +95,7 @@ class Offloader:
         self.groups.adaptive = self.keeper.auto
         self.prefetcher = Prefetcher(config.prefetch_bytes, start=None)
         self.index = Index(on_resident=self._peak)
-        self.io = IO(config, backend, self.index, self.metrics)
+        self.io = IO(config, backend, self.index, self.metrics, clock)
         self.config = self.io.config  # as run: a budget's staging_full (tba/datapath/io.py)
         self.reader = Reader(self.io, self.index, self.prefetcher)
         self.prefetcher.start = self.reader.start_read  # the plan's reads
@@ -99,6 +105,7 @@ class Offloader:
             config.policy,
             config.block_policy,
             staging=(self.config.staging_bytes, self.config.staging_full == "wait"),
+            cadence=Cadence(clock),
         )
         self.groups.recompute = Recompute(
             self.packer.count_hidden, self._recomputing, self.packer.hold_cached
@@ -144,7 +151,7 @@ class Offloader:
             self.groups.keep_last = self.keeper.k
             self.groups.assignment = self.policy.assignment()
             self._steps += 1
-            st = StepState(self._steps)
+            st = StepState(self._steps, self.clock)
             self._current = st
             self.metrics.track(st)
             if model is not None:
@@ -182,11 +189,11 @@ class Offloader:
     def stats(self) -> dict[str, Any]:
         """Counters of the last step whose forward has ended (README, "stats()", for keys)."""
         if not self.enabled:
-            return (self._last or StepState(0)).snapshot(0)
+            return (self._last or StepState(0, self.clock)).snapshot(0)
         with self.io.lock:
             self.index.bury()
             self._publish(settle=False)  # the metrics' totals now include these numbers
-            out = (self._last or StepState(0)).snapshot(self.io.disk_in_use)
+            out = (self._last or StepState(0, self.clock)).snapshot(self.io.disk_in_use)
             out["backend"] = self.backend.name
             out["backend_reason"] = self.backend.reason
             out["keep_last"] = self.keeper.k

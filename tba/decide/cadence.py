@@ -17,8 +17,7 @@ time.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from ..host.clock import SYSTEM, Clock
 
 __all__ = ["DECISION_SHARE", "DRIFT", "STALL_SHARE", "Cadence", "stalled_seconds"]
 
@@ -41,7 +40,7 @@ class Cadence:
     :meth:`ready` with its compute seconds; a decision runs between :meth:`start` and
     :meth:`spent`."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, clock: Clock = SYSTEM):
         self.clock = clock
         self.owed = 0.0  # compute seconds to run before the next decision
 

@@ -6,11 +6,12 @@ tensor, so two graphs alive at once (gradient accumulation) never mix their numb
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
 import torch
+
+from ..host.clock import SYSTEM, Clock
 
 # The keys of ``stats()`` that code outside this repository relies on (README, "stats()"), in
 # the order the README lists them. More keys may be added; these never change.
@@ -56,8 +57,8 @@ class StorageRef:
 class GroupStat:
     """What one group (block) of one step did: bytes, and when its compute and I/O ran.
 
-    Times are ``time.perf_counter()`` values; 0.0 means "did not happen". The backward compute
-    of a group is taken from its unpacks (see :meth:`StepState.group_records`).
+    Times are readings of the step's clock (tba/host/clock.py); 0.0 means "did not happen". The
+    backward compute of a group is taken from its unpacks (see :meth:`StepState.group_records`).
     """
 
     __slots__ = (
@@ -146,9 +147,10 @@ class GroupStat:
 class StepState:
     """Counters and the prefetch plan of one step."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, clock: Clock = SYSTEM):
         self.index = index
-        self.started = time.perf_counter()
+        self.clock = clock  # the Offloader's (tba/host/clock.py): every time of this step
+        self.started = clock()
         self.forward_seconds = 0.0
         self.saved_bytes = 0
         self.bytes_offloaded = 0
@@ -336,6 +338,6 @@ class StepState:
         return out
 
     def finish_forward(self) -> None:
-        self.forward_end = time.perf_counter()
+        self.forward_end = self.clock()
         self.forward_seconds = self.forward_end - self.started
         self.seen.clear()  # release the weak references; saved_bytes is final

@@ -54,7 +54,6 @@ decoder, whose tensors backward consumes layer by layer and whose offload does l
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from collections import Counter
@@ -267,7 +266,7 @@ class GroupTracker:
     def begin(self, step: StepState, model: nn.Module | None) -> None:
         self.reset(step)
         step.keep_last = self.keep_last
-        self.stat.fwd_start = time.perf_counter()
+        self.stat.fwd_start = step.clock()
         rec = self.attach(model) if model is not None else None
         if rec is not None and not rec.windows:
             self.by_model = True
@@ -341,7 +340,7 @@ class GroupTracker:
         """The forward moves on to ``group``: close the current group's forward time."""
         self.group = group
         if self.step is not None:
-            now = time.perf_counter()
+            now = self.step.clock()
             self.stat.fwd_end = now
             self.stat = self.step.group(group)
             self.stat.fwd_start = now
@@ -365,7 +364,7 @@ class GroupTracker:
 
     def end(self) -> None:
         if self.stat is not None:
-            self.stat.fwd_end = time.perf_counter()
+            self.stat.fwd_end = self.step.clock()
         for undo in self._unwrap:
             undo()
         self._unwrap.clear()

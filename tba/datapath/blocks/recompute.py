@@ -55,7 +55,6 @@ How recompute is done, and why it is exact:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -143,11 +142,11 @@ class Recompute:
                     if sel is not None:
                         sel.release()  # from here on counted as what the recompute brings back
                     owner.recomputing(step, stat)
-                    t0 = time.perf_counter()
+                    t0 = step.clock()
                     try:
                         return inner(*a, **kw)
                     finally:  # checkpoint may stop it early, by raising: timed all the same
-                        stat.recompute_seconds += time.perf_counter() - t0
+                        stat.recompute_seconds += step.clock() - t0
                 out = owner._counted(inner, step, stat, a, kw, sel)
                 if sel is not None:
                     sel.settle()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from typing import Any
 
 import torch
@@ -120,23 +119,25 @@ class StagingPool:
     def wait_for(self, get, seen: int, timeout: float, lock, clock) -> tuple[Any, float]:
         """Retry ``get()`` (a block, or None) each time a block is given back, for at most
         ``timeout`` seconds, with ``lock`` (held once by the caller) released while waiting.
-        Returns what ``get`` gave (None: timed out) and the seconds waited, by ``clock``
-        (NOTE [Staging backpressure])."""
-        deadline = time.monotonic() + timeout
+        Returns what ``get`` gave (None: timed out) and the seconds waited. ``clock`` (the
+        Offloader's) measures both the wait and the deadline (NOTE [Staging backpressure])."""
+        deadline = clock() + timeout
         got, waited = None, 0.0
         while got is None:
-            left = deadline - time.monotonic()
+            left = deadline - clock()
             if left <= 0:
                 break
             lock.release()
             t0 = clock()
             try:
-                self.wait_freed(seen, left)
+                freed = self.wait_freed(seen, left)
             finally:
                 waited += clock() - t0
                 lock.acquire()
             seen = self.frees
             got = get()
+            if not freed:
+                break  # the wait took all that was left
         return got, waited
 
 
