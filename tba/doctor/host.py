@@ -7,7 +7,7 @@ import collections
 import resource
 
 from ..config import format_size
-from ..host.memory import malloc_library
+from ..host.malloc import malloc_library
 from .probes import _optional_status
 from .state import _NO_VALUE, Run
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import mmap
-import os
 import sys
 import threading
 
@@ -54,65 +51,16 @@ def size_class(nbytes: int) -> int:
 
 # NOTE [Read buffers from the heap]
 # Under an allocator that keeps the large blocks a process frees and serves them again
-# (tcmalloc, jemalloc, mimalloc; which one serves ``malloc`` is :func:`malloc_name`),
+# (tcmalloc, jemalloc, mimalloc),
 # mappings (aligned_empty's, and the pool's below) are the worse choice. During backward the
 # allocator holds, already faulted in, the memory of the activations that were freed once
 # written, and a fresh mapping puts new pages beside it, which io_uring then faults in and
 # zeroes while it pins them on the training thread. So there read-back buffers come from
 # torch's allocator (``aligned_empty(..., heap=True)``): the pool is not used, and what
-# autograd frees goes back to that allocator.
-# W1 under tcmalloc, one process per trial (BENCHMARKS.md, "Batch headroom"): at batch 24 the
-# read submission fell from 0.46 to 0.11 s a step, minor faults from 210 to 2 thousand a step,
-# and the process peak from 1334 to 1096 MiB; auto at 35 under its budget, 1.0 to 0.15 s,
-# 495 to 14-100 thousand, 1517 to 1308 MiB; under the 1280 MiB cap the default's max batch rose
-# from 24 to 32. jemalloc and mimalloc are included on the same reasoning; only tcmalloc has
-# been measured. glibc's malloc, which hands large blocks back to the kernel and keeps a heap
-# that can grow, keeps the pool.
-CACHING_MALLOCS = ("tcmalloc", "jemalloc", "mimalloc")
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [
-        ("dli_fname", ctypes.c_char_p),
-        ("dli_fbase", ctypes.c_void_p),
-        ("dli_sname", ctypes.c_char_p),
-        ("dli_saddr", ctypes.c_void_p),
-    ]
-
-
-def malloc_family(path: str) -> str:
-    """ "tcmalloc", "jemalloc" or "mimalloc" for a library of that family (by its file name,
-    e.g. libtcmalloc_minimal.so.4), else "glibc"."""
-    base = os.path.basename(path)
-    for name in CACHING_MALLOCS:
-        if base.startswith("lib" + name):
-            return name
-    return "glibc"
-
-
-@functools.cache
-def malloc_library() -> tuple[str, str | None]:
-    """The allocator behind this process's ``malloc`` and the library that defines the symbol
-    the process resolves (an LD_PRELOAD, or a link): (:func:`malloc_family` of it, its path),
-    or ("glibc", None) for glibc's own and when that cannot be told."""
-    try:
-        libc = ctypes.CDLL(None)
-        addr = ctypes.cast(libc.malloc, ctypes.c_void_p)
-        info = _DlInfo()
-        if not libc.dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
-            return "glibc", None
-        path = os.fsdecode(info.dli_fname)
-    except (OSError, AttributeError, ValueError):
-        return "glibc", None
-    name = malloc_family(path)
-    return name, None if name == "glibc" else path
-
-
-def malloc_name() -> str:
-    """:func:`malloc_library`'s family alone."""
-    return malloc_library()[0]
-
-
+# autograd frees goes back to that allocator (the figures: BENCHMARKS.md, "Batch headroom").
+# jemalloc and mimalloc are included on the same reasoning; only tcmalloc has been measured.
+# glibc's malloc, which hands large blocks back to the kernel and keeps a heap that can grow,
+# keeps the pool. Which allocator serves ``malloc`` is tba/host/malloc.py's question.
 # NOTE [Read buffer reuse]
 # A read-back buffer is handed to autograd as (views of) a tensor, and autograd frees it when
 # the node that used it is done, a moment tba cannot observe through a hook. Fresh anonymous

@@ -17,7 +17,7 @@ import torch
 
 from tba import doctor
 from tba.cli import main
-from tba.host.memory import malloc_family
+from tba.host.malloc import malloc_family
 from tba.storage.statx import fs_type
 
 REPO = Path(__file__).resolve().parents[2]

@@ -151,7 +151,7 @@ def test_the_offloader_reads_into_the_heap_only_under_a_caching_malloc(
 _UNDER_TCMALLOC = textwrap.dedent(
     """
     import tempfile, torch, tba
-    from tba.host.memory import malloc_name
+    from tba.host.malloc import malloc_name
     from tba.testing import GPT, GPTConfig, random_batch
     print(malloc_name())
     cfg = GPTConfig(seq=256, hidden=256, heads=4, layers=3)  # MLP activations of 4 MiB
@@ -189,7 +189,7 @@ def test_malloc_name_and_exact_reads_under_a_preloaded_tcmalloc():
         pytest.skip("libtcmalloc_minimal.so.4 is not installed (.ci/run installs it)")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     plain = subprocess.run(
-        [sys.executable, "-c", "from tba.host.memory import malloc_name; print(malloc_name())"],
+        [sys.executable, "-c", "from tba.host.malloc import malloc_name; print(malloc_name())"],
         env=env,
         capture_output=True,
         text=True,

@@ -66,14 +66,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ...host.memory import (
-    CACHING_MALLOCS,
-    MAPPED_BYTES,
-    PAGE,
-    MappedPool,
-    aligned_empty,
-    malloc_name,
-)
+from ...host.malloc import CACHING_MALLOCS, malloc_name
+from ...host.memory import MAPPED_BYTES, PAGE, MappedPool, aligned_empty
 
 
 def _device_empty(nbytes: int, align: int, device: torch.device) -> torch.Tensor:
