@@ -105,7 +105,7 @@ class GPT(nn.Module):
 # under load, only the worker's half), not in tba; whether a new thread's first call can meet
 # it again after the process's first was not tested. A test that computes its bit-exact
 # reference as the process's first tanh takes that hit, and its gradients then differ from
-# tba's by 1e-10 everywhere (test_plan_order's 1F1B test failed so, 2026-11-28).
+# tba's by 1e-10 everywhere.
 # warm_cpu_math() makes each of those first calls once, on the main thread alone and then on
 # every OpenMP thread, before any result is compared.
 _VML_FUNCTIONS = (

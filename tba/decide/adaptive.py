@@ -27,10 +27,10 @@ K is chosen for the window the next step uses.
 Adaptive keep never keeps every block: K is at most the number of blocks less one. A step that
 keeps everything writes and reads nothing, so it measures no bandwidth; with nothing new to
 decide from, the controller would repeat the decision that made it keep everything, forever
-(on a 6-layer Llama with default settings, a stall after K=0 made it choose K=6, and no memory
-was saved from then on). With at least the first block offloaded, every step measures the disk
-again, and the first block is the one whose reads have the whole backward to arrive. Keeping
-everything is what ``TBA_KEEP_LAST`` set to the number of blocks, or ``TBA_ENABLED=0``, asks.
+(one stalled step could thus end all saving for the rest of the run). With at least the first
+block offloaded, every step measures the disk again, and the first block is the one whose reads
+have the whole backward to arrive. Keeping everything is what ``TBA_KEEP_LAST`` set to the number
+of blocks, or ``TBA_ENABLED=0``, asks.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ __all__ = [
 log = logging.getLogger("tba")
 
 # K for the first step, before anything was measured. When memory is bounded (TBA_MEMORY_BUDGET
-# or TBA_POLICY=auto) it is 0 instead: a kept block on step 1 broke the budget on the step
-# where it matters first (bench_headroom: W1's first step peaked at 204 MiB against 82 after,
-# and every trial over the cap was killed in step 1). Step 1 still writes and reads every
-# block, so it measures the disk either way.
+# or TBA_POLICY=auto) it is 0 instead: a kept block makes step 1's peak far higher than the
+# steps after it, and so breaks the budget on the step where a memory cap is met first
+# (BENCHMARKS.md, "Batch headroom"). Step 1 still writes and reads every block, so it measures
+# the disk either way.
 FIRST_K = 1
 
 

@@ -19,126 +19,116 @@ __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
 log = logging.getLogger("tba")
 
 # NOTE [Recompute cost]
-# A recomputed block costs backward its forward once more, but not the forward as timed in the
-# first pass: that one records the graph, touches fresh memory, and in an offload step also
-# packs and queues writes. On W1 (2-core CPU) a block forwards in 0.19 s (0.23 s offloading) and
-# recomputes in 0.125 s; charged the forward, every recompute assignment was predicted 10-15%
-# slow. So the recompute wrapper times backward's run of the forward (``recompute_seconds`` of
-# a group record) and the chooser charges a block the seconds its last recompute took; a block
-# not yet recomputed, its forward times the ratio of recompute to forward of the blocks that
-# have been (its plain forward when none has). The first time a block's recompute is measured
-# the controller decides again (paced as any decision), so the first decision's guess is
-# corrected at the next step rather than 20 steps later (the schedule).
+# A recomputed block costs backward its forward once more, but not the forward as timed in the first
+# pass: that one records the graph, touches fresh memory, and in an offload step also packs and
+# queues writes, so a recompute takes clearly less. Charged the first pass's forward, every
+# assignment that recomputes would be predicted slower than it runs. So the recompute wrapper times
+# backward's run of the forward (``recompute_seconds`` of a group record) and the chooser charges a
+# block the seconds its last recompute took; a block not yet recomputed, its forward times the ratio
+# of recompute to forward of the blocks that have been (its plain forward when none has). The first
+# time a block's recompute is measured the controller decides again (paced as any decision), so the
+# first decision's guess is corrected at the next step rather than ``every`` steps later (the
+# schedule).
 
 # NOTE [Compute per action]
-# A block computes at different speeds by action: offloading, it packs, copies and queues writes
-# in forward and waits on unpacks in backward, which on W1's 2-core CPU made a block's forward
-# 0.23 s against 0.19 s kept or recomputed, and its backward 0.43 s against 0.375 s. Charged the
-# times of the step it last ran (all offloaded on step 1), every other assignment was predicted
-# that much slower. So the controller keeps, per block, the forward and backward seconds of the
-# last step that ran it with each action (``Cost.times``), and the chooser charges a block the
-# times of the action it is given; an action not yet measured borrows a stand-in's
-# (``STAND_INS`` in tba/decide/chooser.py: a kept block computes as a recomputed one does in its
-# first pass), else the times of the step just run. A stored time never counts for more than
-# the step just run measured: one taken on a cold first step cannot make an action look dearer
-# than it now is, which would keep auto from ever running it, and measuring it, again.
+# A block computes at different speeds by action: offloading, it packs, copies and queues writes in
+# forward and waits on unpacks in backward, so on a CPU with few cores both its forward and its
+# backward take longer than when it is kept or recomputed. Charged the times of the step it last ran
+# (all offloaded on step 1), every other assignment would be predicted that much slower. So the
+# controller keeps, per block, the forward and backward seconds of the last step that ran it with
+# each action (``Cost.times``), and the chooser charges a block the times of the action it is given;
+# an action not yet measured borrows a stand-in's (``STAND_INS`` in tba/decide/chooser.py: a kept
+# block computes as a recomputed one does in its first pass), else the times of the step just run. A
+# stored time never counts for more than the step just run measured: one taken on a cold first step
+# cannot make an action look dearer than it now is, which would keep auto from ever running it, and
+# measuring it, again.
 
 # NOTE [Hook time]
-# Per-action times cannot see what offloading costs while every block offloads: with nothing
-# kept or recomputed yet, a kept block borrows the offload step's times, so on a disk that hides
-# every write oooooo and oooook of W1 were predicted the same step, the tie went to the lower
-# peak, and auto chose all-offload, measured 3 to 5% slower than keeping the last block. What a
-# kept block does not pay is tba's work on the training thread: the pack hook (index, staging,
-# queuing the write) and the unpack hook (waiting for the lock, views, the version check). The
-# hooks time themselves into the group's GroupStat (``pack_seconds``, ``unpack_seconds`` of a
-# record, stalls excluded: those the simulator predicts from bandwidth), and an offload step
-# stores, besides its own times, the block's times less those (``BARE`` in tba/decide/chooser.py),
-# which stand in for an action not measured yet (STAND_INS). On W1 (2-core CPU) the hooks took
-# about 6 ms per block in forward and 12 ms in backward. The I/O threads' CPU, which also slows
-# compute on a machine with few cores, is not on the training thread and is not counted.
+# Per-action times cannot see what offloading costs while every block offloads: with nothing kept or
+# recomputed yet, a kept block borrows the offload step's times, so on a disk that hides every write
+# all-offload and keeping the last block are predicted the same step, the tie goes to the lower
+# peak, and auto chooses all-offload although the kept block would have run faster. What a kept
+# block does not pay is tba's work on the training thread: the pack hook (index, staging, queuing
+# the write) and the unpack hook (waiting for the lock, views, the version check). The hooks time
+# themselves into the group's GroupStat (``pack_seconds``, ``unpack_seconds`` of a record, stalls
+# excluded: those the simulator predicts from bandwidth), and an offload step stores, besides its
+# own times, the block's times less those (``BARE`` in tba/decide/chooser.py), which stand in for an
+# action not measured yet (STAND_INS). The hooks' share of a block's time is largest where the
+# block's compute is short and the CPU has few cores. The I/O threads' CPU, which also slows compute
+# on a machine with few cores, is not on the training thread and is not counted.
 
 # NOTE [Selective recompute cost]
 # selective (NOTE [Selective recompute] in tba/datapath/blocks/selective.py) keeps a block's matrix
 # products and recomputes the rest. Until a block has run so, its cost is a prior: what the pack
 # hook saw of the outputs selective would keep (``cacheable_bytes``) is what it is charged to hold,
-# and its recompute is the block's full recompute scaled by the share of the block's saved
-# bytes it does not keep. The prior overstates the recompute where the kept products are
-# the dear part of the block (on W1, 0.07 s predicted against 0.017 s measured, the full
-# recompute being 0.137 s), which errs towards not choosing selective; once a block has run
-# selective, its measured recompute and kept bytes replace the prior, and the first such
+# and its recompute is the block's full recompute scaled by the share of the block's saved bytes it
+# does not keep. The prior overstates the recompute where the kept products are the dear part of the
+# block, as they are in a transformer block, which errs towards not choosing selective; once a block
+# has run selective, its measured recompute and kept bytes replace the prior, and the first such
 # measurement makes the controller decide again (as NOTE [Recompute cost]).
 
 # NOTE [Budget margin]
-# The simulator predicts W1's peaks within 2% (BENCHMARKS.md, planner validation), on both
-# sides, and the chooser takes the fastest assignment whose predicted peak fits: often one
-# that just fits, which then measures just over (sorroo at 200 MB/s: 0.351 of the saved bytes
-# against a budget of 0.35). So the chooser aims under MARGIN of the budget, and when a step
-# that ran auto's choice measures over the budget all the same, the excess is taken off the
-# target for good and the controller decides again at once, paced or not (NOTE [Decision
-# cost]). It used to wait for its cadence: on W1 at 200 MB/s the first choice (ssoook) was
-# predicted at a peak of 264 MB and measured 366 MB, and it ran four steps over the budget
-# before the cadence let the controller decide again; then, charging each of those steps had
-# driven the target far down (below zero on W1 at 20 MB/s, three steps of one choice). Now
-# each overrun is of a choice made knowing every earlier one, so each is charged.
+# The simulator's predicted peaks err by a little on both sides (BENCHMARKS.md, "Planner
+# validation"), and the chooser takes the fastest assignment whose predicted peak fits: often one
+# that just fits, which then measures just over. So the chooser aims under MARGIN of the budget,
+# which leaves room for that usual error, and when a step that ran auto's choice measures over the
+# budget all the same, the excess is taken off the target for good and the controller decides again
+# at once, paced or not (NOTE [Decision cost]). Were it to wait for its cadence, one over-budget
+# choice would run for several steps, and charging each of them would drive the target far down,
+# even below zero, for a single misprediction. Deciding at once makes every overrun that of a choice
+# made knowing all the overruns before it, so each one is charged.
 MARGIN = 0.98
 
 # NOTE [Unmeasured margin]
-# MARGIN covers the simulator's peak error on the assignments the planner validation measured
-# (within 2%), but not the worst of it: offload-heavy assignments were predicted up to 3.8% low,
-# and on W1 at 200 MB/s (bench_delta at c06b0a3, round 14 of 16) auto, deciding again after a
-# drift, left sossok (measured 0.300-0.310 of the saved bytes for thirteen steps) for ororoo,
-# never run before, which measured 0.351 against a budget of 0.35. An assignment auto has run
-# has had its peak measured (and an overrun charged, NOTE [Budget margin]); one it has not is a
-# prediction only. So an assignment not yet measured aims under UNMEASURED_MARGIN of the
-# budget, which leaves the 3.8% error within the budget, and one that has run under MARGIN.
-# Once run, an assignment is measured for the rest of the run, whatever window or rates it ran
-# at. This also favours the assignment in force over an unmeasured one predicted a little
-# faster and a little higher, which is what the overrun above did. The search replays every
+# MARGIN covers the simulator's usual peak error, but not the worst of it: assignments that offload
+# much are predicted the furthest low (BENCHMARKS.md, "Planner validation"). An assignment auto has
+# run has had its peak measured (and an overrun charged, NOTE [Budget margin]); one it has not is a
+# prediction only. So an assignment not yet measured aims under UNMEASURED_MARGIN of the budget,
+# which keeps the worst error the validation found within the budget, and one that has run under
+# MARGIN.
+# Once run, an assignment is measured for the rest of the run, whatever window or rates it ran at.
+# This also favours the assignment in force over an unmeasured one predicted a little faster and a
+# little higher: without it, auto deciding again after a drift can trade an assignment that has held
+# the budget for many steps for one never run, which then goes over. The search replays every
 # measured assignment at each decision (so that the one in force is always a candidate); the
-# controller remembers the MEASURED_KEPT it ran last, so that a week-long run's decisions stay
-# as cheap as its first (one forgotten is unmeasured again: held to the lower margin).
+# controller remembers the MEASURED_KEPT it ran last, so that a week-long run's decisions stay as
+# cheap as its first (one forgotten is unmeasured again: held to the lower margin).
 UNMEASURED_MARGIN = 0.96
 MEASURED_KEPT = 32
 
 # NOTE [Write spread]
 # The controller decides again when a bandwidth moves by more than DRIFT (25%) from the one it
-# decided with, so until then its assignment must hold the budget at any write rate in that
-# band. The peak of an assignment that offloads depends on the write rate: an offloaded
-# block's writes still in flight at the end of the forward are resident there, and the disk's
-# rate varies round to round (bench_delta at 200 MB/s, 2026-11-28: ossork predicted at
-# 244 MiB, measured from 245 to 277 MiB, 0.351 of the saved bytes against a budget of 0.35 in
-# the worst round; sorroo and ssoook before it, NOTE [Budget margin]). Predicted at 0.75 of
-# the measured write rate, ossork peaks at 284 MiB, over the target, while assignments whose
-# writes finish in time (ossssk, 244 MiB) do not move. So the chooser and the window's room
-# take each assignment's peak as the larger of those at the measured write rate and at
-# (1 - DRIFT) of it; its step time stays the one at the measured rate. ``tba plan`` predicts
+# decided with, so until then its assignment must hold the budget at any write rate in that band.
+# The peak of an assignment that offloads depends on the write rate: an offloaded block's writes
+# still in flight at the end of the forward are resident there, and a disk's rate varies from step
+# to step, so an assignment predicted just under the budget at the measured rate goes over it at a
+# somewhat lower one, while assignments whose writes finish in time do not move. So the chooser and
+# the window's room take each assignment's peak as the larger of those at the measured write rate
+# and at (1 - DRIFT) of it; its step time stays the one at the measured rate. ``tba plan`` predicts
 # at the rates it is given.
 
 # NOTE [Window under auto]
-# The read-ahead window is sized by DepthController after every step (raised after a stall,
-# up to its cap), while auto decides only when due (NOTE [Decision cost]); the chooser
-# predicts its assignment's peak at the window in use when it decides. A window raised later
-# is part of the peak too: on W1 at 200 MB/s, auto chose sosspk at an 82 MB window (predicted
-# 281 MB against a 290 MB budget), a stall raised the window to 103 MB, and the next step
-# peaked at 0.401 of the saved bytes against 0.35 before the overrun made auto decide again.
-# Adaptive keep's own room (NOTE [Memory budget]) does not cover this: it predicts the
-# keep-last rule, not auto's assignment, and applies only to TBA_MEMORY_BUDGET, where auto
-# also bounds itself by DEFAULT_BUDGET_SHARE. So after each step auto predicts its assignment
-# in force at the new window; when the peak would pass the chooser's target, the window is cut
-# to the room the target leaves (window_room, with the smallest window one largest read), or,
-# when even the smallest window's peak is over the target, to the widest window that adds
-# nothing to that peak (NOTE [Window past the budget] in tba/decide/budget.py). A window no wider
-# than the one auto decided at needs no prediction (two replays of the simulator, about 7 ms
-# each for 32 blocks on a 2-core VM, on the training thread; up to five more past the
-# budget). Once auto has chosen, this room replaces adaptive keep's under TBA_MEMORY_BUDGET:
-# adaptive keep's simulator predicts neither auto's assignment nor a bounded staging, and on
-# W1 at batch 32 (whose peak is 256 MiB of writes in flight at the end of the forward) it took
-# each step over the budget as a window too wide, cut the window step by step to 136 MiB, and
-# brought back the stalls a 190 MiB window had removed.
+# The read-ahead window is sized by DepthController after every step (raised after a stall, up to
+# its cap), while auto decides only when due (NOTE [Decision cost]); the chooser predicts its
+# assignment's peak at the window in use when it decides. A window raised later is part of the peak
+# too: an assignment chosen just under the budget at one window goes over it once a stall widens the
+# window, and stays over until the overrun makes auto decide again. Adaptive keep's own room
+# (NOTE [Memory budget]) does not cover this: it predicts the keep-last rule, not auto's assignment,
+# and applies only to TBA_MEMORY_BUDGET, where auto also bounds itself by DEFAULT_BUDGET_SHARE. So
+# after each step auto predicts its assignment in force at the new window; when the peak would pass
+# the chooser's target, the window is cut to the room the target leaves (window_room, with the
+# smallest window one largest read), or, when even the smallest window's peak is over the target, to
+# the widest window that adds nothing to that peak (NOTE [Window past the budget] in
+# tba/decide/budget.py). A window no wider than the one auto decided at needs no prediction (two
+# replays of the simulator, Python on the training thread; up to five more past the budget). Once
+# auto has chosen, this room replaces adaptive keep's under TBA_MEMORY_BUDGET: adaptive keep's
+# simulator predicts neither auto's assignment nor a bounded staging, so where the writes in flight
+# at the end of the forward set the peak, it takes each step over the budget for a window too wide,
+# cuts the window step by step, and brings back the stalls a wider window had removed.
 
 # The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
-# step's saved bytes (the target the issue sets for the defaults). Read by
-# Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
+# step's saved bytes (about a third of what stock PyTorch holds, the target set for the
+# defaults). Read by Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
 DEFAULT_BUDGET_SHARE = 0.35
 
 
@@ -445,8 +435,8 @@ def _ratio(timed: dict[int, tuple[float, float]]) -> float | None:
 def _group_bytes(x: dict[str, Any]) -> int:
     """What a group saves, each storage once: kept views of one storage (a q/k/v split kept
     because staging was full) count once, as they do when the storage is captured whole.
-    (offloaded + kept counted such views once each: W1's blocks read 193 MB at 50 MB/s,
-    where 134 MB were saved, and every prediction of the chooser's peak ran high.)"""
+    (Offloaded plus kept bytes would count each such view on its own, more than the group
+    saves, and every prediction of the chooser's peak would run high.)"""
     if "saved_bytes" in x:
         return x["saved_bytes"]
     return x["offloaded_bytes"] + x["kept_bytes"]  # a trace written before the field

@@ -23,18 +23,18 @@ most 128 MiB). A fixed 128 MiB would be more than a small model's whole step. Wh
 reads are more than 128 MiB, a step that stalls may raise the window past that default cap, up
 to two largest reads (NOTE [Prefetch depth] in tba/decide/simulator/rules.py, ``DepthController``):
 a window of one largest read cannot read a large tensor while the smaller ones in front of it are
-used (W1 at batch 32, whose largest tensors are 128 MiB: 0.6 s of a 13 s step stalled at a
-128 MiB window, none at 160 MiB, with the same peak; BENCHMARKS.md, batch headroom). Only a
-stall does: the wider window costs memory, and at batch 23 to 25, where W1 stalled under 1%, it
-cost the default two sequences of batch headroom when it was the cap.
+used, so a step whose largest tensors fill that cap stalls at it, and a somewhat wider window
+removes the stall at the same peak (BENCHMARKS.md, "Batch headroom"). Only a stall does: the wider
+window costs memory, and as the default cap it would cost batch headroom also where the stalls it
+removes are negligible.
 
 # NOTE [Window past the budget]
 When even the smallest window's predicted peak is over the budget (staging alone is over it: no
 K of adaptive keep fits, or auto's assignment cannot meet its target), cutting the window to one
-largest read meets nothing: the peak is set elsewhere (W1 at batch 32: 256 MiB of writes in
-flight at the end of the forward, against a 241 MiB budget), and the narrow window only adds
-stalls. So the window is then the widest whose predicted peak is no higher than the smallest
-window's (:func:`widest_window`): it costs no memory the step was not spending anyway.
+largest read meets nothing: the peak is set elsewhere (by the writes still in flight at the end
+of the forward, say), and the narrow window only adds stalls. So the window is then the widest
+whose predicted peak is no higher than the smallest window's (:func:`widest_window`): it costs no
+memory the step was not spending anyway.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ off the training step.
 # NOTE [Decision cost]
 A decision replays the step in the simulator once per candidate: adaptive keep once per K (17
 times for a 16-block model), the chooser up to SEARCH_SIMS assignments (NOTE [Chooser]). That is
-Python on the training thread, about 2.5 ms a replay for 16 blocks. On a CPU step of seconds it
-does not show; on an H200, whose 16-block Llama step takes 75 ms, adaptive keep re-deciding
-after every stalled step cost about 68 ms a step. So decisions are paced (:class:`Cadence`): after
+Python on the training thread, milliseconds a replay. On a CPU step of seconds it does not show;
+on a GPU, whose step can take tens of milliseconds, a controller re-deciding after every stalled
+step could cost about as much as the step itself. So decisions are paced (:class:`Cadence`): after
 one that took d seconds, the next waits until the steps since have computed for at least
 d / DECISION_SHARE seconds, whatever asks for it (the schedule, a drift, a stall). The first
 decision waits for nothing, and neither does a controller (adaptive keep, or auto's chooser)

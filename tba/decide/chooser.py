@@ -15,20 +15,19 @@ its Recompute rule, and staging bounded by TBA_STAGING_BYTES as the run bounds i
 staging keeps a tensor resident, or with TBA_STAGING_FULL=wait, as ``auto`` runs, stalls the
 forward until writes free it), which predicts the step time and the peak of resident saved
 bytes (kept, staging, read-back, a recomputed block's tensors during its backward). Unbounded
-staging, as the chooser had it at first, made offloads that outrun the disk look free under a
-budget, where the run's forward waits for them (tests/decide/test_chooser.py,
-test_staging_is_bounded_as_the_run_bounds_it). Each block's saves are simulated as the sizes a
-step measured (NOTE [Measured layout] in tba/decide/simulator/rules.py). Swapping costs what its
-I/O does not hide behind compute (about max(0, bytes / bandwidth - compute window)), and a
-recompute costs the block's forward once more (``Cost.recompute``: measured when the block has
-been recomputed, else estimated from blocks that have; NOTE [Recompute cost] in
-tba/decide/block_policy.py); keeping costs memory only.
+staging would make offloads that outrun the disk look free under a budget, where the run's forward
+waits for them (tests/decide/test_chooser.py, test_staging_is_bounded_as_the_run_bounds_it, pins
+this). Each block's saves are simulated as the sizes a step measured (NOTE [Measured layout] in
+tba/decide/simulator/rules.py). Swapping costs what its I/O does not hide behind compute (about
+max(0, bytes / bandwidth - compute window)), and a recompute costs the block's forward once more
+(``Cost.recompute``: measured when the block has been recomputed, else estimated from blocks that
+have; NOTE [Recompute cost] in tba/decide/block_policy.py); keeping costs memory only.
 
 The choice: among the assignments whose predicted peak is within the budget, the shortest
 predicted step, ties going to the lower peak; when none fits, the lowest peak (and the caller
 says so). Without a budget (None) nothing bounds memory, and keeping everything wins. With at
-most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (5^6 = 15,625 on
-W1); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
+most ``exhaustive_blocks`` blocks (default 6) every assignment is simulated (5^6 = 15,625 for
+6 blocks); beyond that (and at run time, where ``exhaustive_blocks=0``: a decision must be cheap) a
 local search. It first builds a greedy start (``_fill``): from every block recomputed, it
 replays each single change, ranks those that shorten the step by seconds saved per byte of
 peak added, and takes them in that order while the budget holds, one per block. Then it replays
@@ -38,17 +37,15 @@ last k blocks kept, the rest all given one of the other actions, for up to
 selective, and the assignments the run has measured (``measured``: among them the one in
 force; an unmeasured one must fit ``unmeasured_budget``, NOTE [Unmeasured margin] in
 tba/decide/block_policy.py), and, from the greedy start and the best ``DESCENTS`` of the others,
-changes one block at a time while that improves the objective. Without the greedy start, on
-the 7B of BENCHMARKS.md with one or two drives the search ended at recompute_offload x22, keep x10
-(1.225x keep-all) though a 1.179x assignment fits: no sequence of single changes from those
-starts leads there; the greedy start gives 1.189x (tests/plan/test_plan_mix.py). It stops after
-``max_sims`` replays (``SEARCH_SIMS`` at run time; the uniform starts are always replayed) and
-answers the best assignment it replayed. Each replay is Python on the training thread,
-about 2.5 ms for 16 blocks: the earlier search (a descent from every start, with no bound)
-took 3,885 replays and 10 s for a 16-block model on an H200 and grew with the cube of the
-depth; this one takes 408 unbounded (323 within SEARCH_SIMS, 0.7 s on a 2-core VM) for the
-same model, with the same answer. Blocks in ``fixed`` (forced by
-TBA_BLOCK_POLICY, or checkpointed by the user) do not change.
+changes one block at a time while that improves the objective. The greedy start is needed
+because the other starts can lie where no sequence of single changes leads to the fastest
+assignments that fit: on the 7B of BENCHMARKS.md ("Projections") the search ends well short of
+them without it (tests/plan/test_plan_mix.py, test_the_greedy_start_fills_the_budget_on_the_7b,
+pins this). It stops after ``max_sims`` replays (``SEARCH_SIMS`` at run time; the uniform starts
+are always replayed) and answers the best assignment it replayed. Each replay is Python on the
+training thread, so the search is kept small: a descent from every start, with no bound, grows
+with the cube of the depth, while this one descends from a few starts and stops at ``max_sims``.
+Blocks in ``fixed`` (forced by TBA_BLOCK_POLICY, or checkpointed by the user) do not change.
 """
 
 from __future__ import annotations
@@ -94,8 +91,8 @@ class Cost:
     input_bytes: int = 0  # a block's inputs: what stays resident when it is recomputed
     block: bool = True
     # seconds backward's recompute of the block takes (None: ``fwd``). Measured, it is less
-    # than the forward on a CPU: W1's blocks took 0.125 s again against 0.19 s the first time
-    # (the first forward touches fresh memory and records the graph).
+    # than the first forward, which touches fresh memory and records the graph (NOTE
+    # [Recompute cost] in tba/decide/block_policy.py).
     recompute: float | None = None
     # (action, fwd, bwd) as measured the last time the block ran with that action (bwd without
     # a recompute), and (BARE, fwd, bwd) its last offload step's less tba's hooks; predict()
@@ -298,9 +295,9 @@ def _starts(n: int, selective: bool = True) -> list[list[str]]:
     """The assignments the local search replays first: uniform ones, then the last k blocks
     kept (or selective) and the rest given one other action, for up to KEEP_LAST_STARTS values
     of k spread over 1..n-1. The selective tails are there because one block at a time does not
-    get from a keep-last start to them: on the 7B of BENCHMARKS.md, trading a kept block for a
-    selective one is slower, and an offloaded one for it overruns the budget, while 17
-    selective blocks after 15 recompute_offload ones are 3% faster than the best keep-last
+    get from a keep-last start to them: on the 7B of BENCHMARKS.md ("Projections"), trading a
+    kept block for a selective one is slower, and an offloaded one for it overruns the budget,
+    while a tail of selective blocks after recompute_offload ones beats the best keep-last
     descent. Without ``selective`` (no block offers it) there are no selective tails."""
     out = [[a] * n for a in ACTIONS]
     if n > 1:

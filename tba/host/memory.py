@@ -29,9 +29,9 @@ def aligned_empty(
     Buffers of 1 MiB and more (unpinned) are anonymous memory mappings of their own, which are
     page-aligned and go back to the kernel the moment the tensor dies. Through malloc, glibc's
     dynamic mmap threshold soon serves 8-32 MiB blocks from the heap and keeps them after they
-    are freed, so read-back buffers that tba frees during backward would stay in the process
-    (measured: W1's memory grew ~90 MiB per sequence with tba under glibc's defaults, ~22 MiB
-    with mappings). Smaller ones, and any size with ``heap`` (NOTE [Read buffers from the
+    are freed, so read-back buffers that tba frees during backward would stay in the process, and
+    its memory would grow with the batch several times faster than with mappings (BENCHMARKS.md,
+    "Batch headroom"). Smaller ones, and any size with ``heap`` (NOTE [Read buffers from the
     heap]), over-allocate by ``align`` bytes through torch's allocator and return an aligned
     slice. With ``pin`` the memory is page-locked (CUDA hosts only), allocated by torch.
     """
@@ -65,8 +65,8 @@ def size_class(nbytes: int) -> int:
 # A read-back buffer is handed to autograd as (views of) a tensor, and autograd frees it when
 # the node that used it is done, a moment tba cannot observe through a hook. Fresh anonymous
 # mappings are returned to the kernel at once (good for peak memory, see aligned_empty) but
-# every page of every read is faulted in and zeroed again: on W1 that is ~0.8 GiB per step of
-# kernel work on the cores that run compute. The pool keeps mappings and hands them out again
+# every page of every read is faulted in and zeroed again, kernel work for every byte read back
+# in every step, on the cores that run compute. The pool keeps mappings and hands them out again
 # once their last tensor is gone. It knows that without any hook: ``torch.frombuffer`` holds
 # the exporting object (the mmap) through the tensor storage's Py_buffer, so while any view of
 # the buffer lives, the mmap's reference count is one higher (tests/host/test_memory.py pins this).

@@ -10,8 +10,8 @@ The data flow of an ``nn.Module`` is not visible statically, so consumers come f
   2. ``NORM_CONSUMERS``: a table keyed by the norm's attribute name, giving candidate consumer
      paths relative to the norm's parent module ("../" climbs one level). The first candidate
      whose modules all exist and are Linear-like (``nn.Linear`` or HF's ``Conv1D``) wins. It
-     covers nanoGPT/W1-style and HF GPT-2 pre-LN blocks (ln_1/ln_2 -> c_attn/c_fc, ln1/ln2,
-     norm1/norm2), LLaMA/Mistral/Qwen2/Gemma (input_layernorm -> q/k/v_proj,
+     covers nanoGPT-style (tba.testing.GPT) and HF GPT-2 pre-LN blocks (ln_1/ln_2 ->
+     c_attn/c_fc, ln1/ln2, norm1/norm2), LLaMA/Mistral/Qwen2/Gemma (input_layernorm -> q/k/v_proj,
      post_attention_layernorm -> gate/up_proj, final norm -> lm_head) and OPT.
      ``patterns=`` adds or overrides entries.
   3. Otherwise: ``NormMergeError`` (or, with ``skip_unknown=True``, the norm is left as is).

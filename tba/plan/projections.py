@@ -19,7 +19,7 @@ H100_FLOPS = 400e12  # achieved model FLOP/s: ~40% MFU of the H100 SXM's 989 TFL
 GEN4_READ = 6.5e9  # per drive, datacenter PCIe Gen4 (e.g. Samsung PM9A3 U.2: 6.5 GB/s read)
 GEN4_WRITE = 3.5e9  # per drive, sustained sequential write of the same class (PM9A3: 3.5 GB/s)
 H100_H2D = 50e9  # host-to-device copy rate, PCIe Gen5 x16 with pinned memory
-MIX_DRIVE = 6e9  # per drive, write and read: the NVMe of issue 16's mix projection
+MIX_DRIVE = 6e9  # per drive, write and read: a fast datacenter NVMe, round figure for the mix
 LLAMA_7B = dict(
     layers=32, hidden=4096, heads=32, seq=4096, dtype_bytes=2, attention="flash", arch="llama",
     vocab=32000,

@@ -21,9 +21,10 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 arXiv 2205.05198, Sec. 4, eq. 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes, plus the norm
 statistics they leave out; for t=1, sbh(34 + 5as/h). Flash attention stores no s² tensor (the
 5as/h term goes) but its logsumexp. With sequence parallelism (their eq. 4) every term is
-divided by t. Without dropout the two sbh masks go: W1 (fp32, GELU, SDPA) is 16·d·T·h per block,
-which tba's `saved_bytes` confirms to the byte. Fused norms are assumed: HF's fp32 RMSNorm saves
-an fp32 copy of its input as well. The head saves the final norm's input and output and the fp32
+divided by t. Without dropout the two sbh masks go: a GELU block with SDPA is then 16·d·T·h, which
+tba's `saved_bytes` matches to the byte (tests/plan/test_plan.py,
+test_w1_bytes_match_what_tba_measures, pins it). Fused norms are assumed: HF's fp32 RMSNorm saves an
+fp32 copy of its input as well. The head saves the final norm's input and output and the fp32
 log-softmax of the logits (4·T·V/t); the embedding saves only token ids.
 
 Forward FLOPs per layer (Narayanan et al., SC21, eq. 3: 24·b·s·h²·(1 + s/6h) for GPT, split

@@ -235,9 +235,9 @@ class StepState:
         An unpack times the group that saved the tensor *last*: a tensor every block saves
         (a rotary table, a mask) is packed once and its handle handed to each later block
         again, and backward unpacks it first in the last of them. Timed by the first saver
-        instead, that group's backward seemed to start with the whole backward (on a 6-layer
-        HF Llama: the first block 2.4 s, the second 0 s), and adaptive keep, seeing a block
-        whose bytes were needed at once, predicted stalls for every K but the largest.
+        instead, that group's backward would seem to start with the whole backward (and the
+        group after it to take no time), and adaptive keep, seeing a block whose bytes were
+        needed at once, would predict stalls for every K but the largest.
         """
         out = []
         reached_next = None  # the closest lower group with unpacks: backward reaches it next

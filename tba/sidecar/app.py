@@ -16,9 +16,10 @@ NOTE [Sidecar concurrency]
    code, and the loop gets it back within the switch interval (5 ms) only as long as nobody
    holds it longer. A full garbage collection does: ``import tba`` loads torch (~170,000
    objects), and a gen-2 pass over them, triggered by the many small objects a collection
-   allocates, took ~90 ms here. So :meth:`Sidecar.run` calls ``gc.freeze()`` once everything
-   is imported: with it the loop lag of a /metrics collection over 1,000 ranks' files fell from
-   ~90 ms to ~5-15 ms (benchmarks/bench_sidecar.py lag).
+   allocates, holds the GIL far longer than the switch interval. So :meth:`Sidecar.run` calls
+   ``gc.freeze()`` once everything is imported: frozen objects are left out of every later
+   pass, which then covers only what the sidecar itself allocated (benchmarks/bench_sidecar.py
+   lag measures the loop lag of a /metrics collection with it).
 5. Shutdown (SIGTERM, SIGINT): stop accepting, let requests in flight finish (up to
    ``shutdown_grace`` seconds), wait for a running scan to end, exit 0.
 """

@@ -32,7 +32,7 @@ _BATCH = 64
 def _buffer_address(buf: memoryview) -> int:
     if buf.readonly:
         return address_of(buf)
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # 6x cheaper than numpy's
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # cheaper than address_of's numpy array
 
 
 def _failure_hint(err: int, why: int, tries: int) -> str:

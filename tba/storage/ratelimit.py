@@ -18,8 +18,9 @@ NOTE [Rate caps]
    Catch-up: while there is a backlog (an op waits at the head of the line, refused or known
    to be next), the bucket may also keep up to CATCH_UP (100 ms) of the rate beyond that, so a
    late release (a GC pause of ~100 ms with torch loaded, a descheduled thread, the 1 ms
-   release quantum) is made up by the ops behind it instead of lost: without it, such pauses
-   cost 10-15% of the rate in our tests. Idle time (no backlog) is never made up. A stream that
+   release quantum) is made up by the ops behind it instead of lost: without it, every such
+   pause would be time the stream never gets back, and a capped stream would run measurably
+   below its cap. Idle time (no backlog) is never made up. A stream that
    starts from an idle bucket never gets more than burst + rate * T bytes in its first T
    seconds; any window of T seconds gets at most max(burst, longest op) + rate * (T +
    CATCH_UP), the excess being catch-up after a late release.
@@ -33,14 +34,14 @@ NOTE [Rate caps]
    and re-times the ops already waiting; removing it releases them at once. ``drain()`` (the
    backends' close) lifts the cap for good, so close neither waits out the cap nor drops ops.
 7. The slab backends (posix, buffered, kvikio) send a capped direction's ops through a
-   :class:`Pacer`: a queue and one thread per direction that takes each op's tokens (sleeping
-   if it must) and only then hands the op to the I/O pool. The caller of ``write()``/``read()``
-   never waits, and neither do the pool threads: were they to sleep on tokens, a capped stream
-   of writes would hold every pool thread and the reads queued behind it (a mixed stream ran
-   reads at half their cap that way). The native engine likewise keeps one queue per
-   direction. An op starts no earlier than its tokens allow; it may start later when the pool
-   is busy, so a pool backlog can release a short catch-up burst, never more bytes over time.
-   Uncapped directions go straight to the pool, as before.
+   :class:`Pacer`: a queue and one thread per direction that takes each op's tokens (sleeping if it
+   must) and only then hands the op to the I/O pool. The caller of ``write()``/``read()`` never
+   waits, and neither do the pool threads: were they to sleep on tokens, a capped stream of writes
+   would hold every pool thread and the reads queued behind it (in a mixed stream the reads would
+   then fall far below their cap). The native engine likewise keeps one queue per direction. An op
+   starts no earlier than its tokens allow; it may start later when the pool is busy, so a pool
+   backlog can release a short catch-up burst, never more bytes over time. Uncapped directions go
+   straight to the pool, as before.
 """
 
 from __future__ import annotations

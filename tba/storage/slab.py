@@ -24,7 +24,8 @@ NOTE [Slabs]
    numbers or the errno, and the fix. A refusal is logged here at debug level only: the one
    warning a user sees per cause is the caller's (the offloader's Writer.stop in
    tba/datapath/write.py, once per reason, quoting ``refusal_detail``; the relay raises
-   CapacityError). A warning here too said the same thing twice, and again at every refused growth.
+   CapacityError). A warning here too would say the same thing twice, and again at every refused
+   growth.
 6. Giving back (NOTE [Node quota] 6): when a free empties a slab, and once a second from the
    ``tba-node-quota`` thread, a slab set holding empty slabs asks the ledger how much it holds
    over its share while a rank below its share wants space, and closes that much of its empty

@@ -39,17 +39,18 @@ same moment (the loss's backward), so offloading it cannot lower the step's peak
 resident at the turn whether they were kept or written and read back. What offloading them does
 is cost a write, a read (or a write nobody reads, when backward takes the bytes before the write
 completes) and two checksum passes, and it puts the last block's reads behind the head's on the
-drive just when backward wants them. On the 6-layer HF Llama of bench_defaults (vocab 32000,
-batch 4, seq 512, fp32) the head is 281 of the step's 965 MiB saved: at K=0 all of it was
-written and 262 MiB of it never read. So while adaptive keep decides (TBA_KEEP_LAST=auto, no
-assignment from TBA_POLICY or TBA_BLOCK_POLICY), the head is kept at every K, K=0 included, and
-its simulation (``kept_from``) says the same. Measured there: bytes written per step 1011 ->
-730 MB, peak / saved 0.295 -> 0.312 (the final norm's and LM head's inputs, no longer written
-before the turn). An explicit TBA_KEEP_LAST=0 still offloads the head: it asks for everything
-that can be written. Without blocks (pack-order windows) there is no head to tell apart, and
-neither is there when the model has a second stack of repeated modules (``one_stack``): in T5
-or BART the blocks found are the encoder's, and what runs after the last of them is the whole
-decoder, whose tensors backward consumes layer by layer and whose offload does lower the peak.
+drive just when backward wants them. With a large vocabulary the head is a large share of
+what a step saves, and most of it, offloaded, is written and never read (backward takes it
+before the write completes). So while adaptive keep decides (TBA_KEEP_LAST=auto, no assignment
+from TBA_POLICY or TBA_BLOCK_POLICY), the head is kept at every K, K=0 included, and its
+simulation (``kept_from``) says the same. That writes markedly less each step for a slightly
+higher peak (the final norm's and LM head's inputs, resident until the turn rather than written;
+BENCHMARKS.md, "Defaults on a real model"). An explicit TBA_KEEP_LAST=0 still offloads the head:
+it asks for everything that can be written. Without blocks (pack-order windows) there is no
+head to tell apart, and neither is there when the model has a second stack of repeated modules
+(``one_stack``): in T5 or BART the blocks found are the encoder's, and what runs after the last
+of them is the whole decoder, whose tensors backward consumes layer by layer and whose offload
+does lower the peak.
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 # NOTE [Block policy]
 Each block of a step (NOTE [Groups] in tba/datapath/blocks/groups.py) gets one action: ``keep`` (its
 saved tensors stay resident), ``offload`` (written to disk, read back ahead of backward) or
-``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it
-saves is dropped after its forward and computed again in backward), or ``recompute_offload``
-(recomputed too, but the inputs its checkpoint saves are offloaded like any saved tensor
-instead of kept: DELTA's swap of the checkpoints, for when even those do not fit the budget
-and the disk has the time). ``TBA_POLICY`` picks the
-actions (offload: the last ``TBA_KEEP_LAST`` blocks kept, the others offloaded, as before;
-recompute, keep: every block; auto: the chooser, NOTE [Chooser] in tba/decide/chooser.py), and
-``TBA_BLOCK_POLICY`` forces some blocks. A group between or after blocks follows the block
-before it when that block is kept, and is offloaded otherwise (it cannot be recomputed).
+``recompute`` (the block runs under ``torch.utils.checkpoint(use_reentrant=False)``: what it saves
+is dropped after its forward and computed again in backward), or ``recompute_offload`` (recomputed
+too, but the inputs its checkpoint saves are offloaded like any saved tensor instead of kept:
+DELTA's swap of the checkpoints, for when even those do not fit the budget and the disk has the
+time). ``TBA_POLICY`` picks the actions (offload: the last ``TBA_KEEP_LAST`` blocks kept, the others
+offloaded, the keep-last rule; recompute, keep: every block; auto: the chooser, NOTE [Chooser] in
+tba/decide/chooser.py), and ``TBA_BLOCK_POLICY`` forces some blocks. A group between or after blocks
+follows the block before it when that block is kept, and is offloaded otherwise (it cannot be
+recomputed).
 How recompute is done, and why it is exact:
 
 1. The wrapper is installed when the step's forward starts, as an instance attribute

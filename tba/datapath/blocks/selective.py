@@ -1,22 +1,22 @@
 """The ``selective`` block action: recompute a block's cheap tensors, keep its matmul outputs.
 
 # NOTE [Selective recompute]
-``recompute`` runs a block's whole forward again in backward; on W1 that is a third of the
-block's compute. Most of that time goes to its matrix products, most of its saved bytes to the
-cheap tensors around them (norms, activations, residual sums, dropout). ``selective`` is the
-per-tensor half of DELTA that Megatron's selective recompute and torchtitan's op-level
-checkpointing do by hand: the block runs under the same non-reentrant checkpoint as
-``recompute`` (NOTE [Block policy] in tba/datapath/blocks/recompute.py), and in forward a dispatch
-mode keeps the outputs of the ops in :data:`KEPT_OPS` (matrix products, fused attention); the
-recompute in backward takes those from memory instead of computing them again, and computes the
-rest.
+``recompute`` runs a block's whole forward again in backward, about a third more of the block's
+compute (a backward costs about twice its forward). Most of that time goes to its matrix products,
+most of its saved bytes to the cheap tensors around them (norms, activations, residual sums,
+dropout). ``selective`` is the per-tensor half of DELTA that Megatron's selective recompute and
+torchtitan's op-level checkpointing do by hand: the block runs under the same non-reentrant
+checkpoint as ``recompute`` (NOTE [Block policy] in tba/datapath/blocks/recompute.py), and in
+forward a dispatch mode keeps the outputs of the ops in :data:`KEPT_OPS` (matrix products, fused
+attention); the recompute in backward takes those from memory instead of computing them again, and
+computes the rest.
 
-1. What is kept: an output of a kept op that autograd saved in the block's forward (the
-   counting hook of tba's checkpoint sees every saved tensor, so after the forward the cache
-   drops the outputs nothing saved: on W1 the attention projection's and the second MLP
-   matrix's, which the recompute computes again or never reaches). Fused attention with
-   dropout is computed again, never kept: its recompute draws the same mask from the restored
-   RNG state, and skipping it would shift every later draw.
+1. What is kept: an output of a kept op that autograd saved in the block's forward (the counting
+   hook of tba's checkpoint sees every saved tensor, so after the forward the cache drops the
+   outputs nothing saved: in a pre-LN block without dropout the attention output projection's and
+   the second MLP matrix's, which feed only residual sums, and which the recompute computes again or
+   never reaches). Fused attention with dropout is computed again, never kept: its recompute draws
+   the same mask from the restored RNG state, and skipping it would shift every later draw.
 2. Exact: a kept output is the tensor the forward computed, and everything else is computed
    again from the same inputs under checkpoint's restored RNG and autocast state. The
    recompute takes a kept output only when the op is called with arguments of the same
@@ -28,12 +28,12 @@ rest.
    brings back (``hidden_bytes``), as for ``recompute``.
 4. ``retain_graph=True`` works: the cache lives as long as the checkpoint's graph and hands
    out fresh aliases each time the block is recomputed.
-5. Cost: the dispatch mode is Python on every op of the block, forward and recompute (about
-   5 us an op); the recompute timer measures what the block's recompute then costs.
+5. Cost: the dispatch mode is Python on every op of the block, forward and recompute, a fixed
+   cost per op; the recompute timer measures what the block's recompute then costs.
 6. A compiled block (``torch.compile(block)``, or ``block.compile()``) is recomputed whole
    instead, and its action says ``recompute``: dynamo does not compile a frame while a Python
-   dispatch mode is active, so under selective the block would lose its compiled code (its
-   graph count fell to 0 in tests/integrations/test_compile.py).
+   dispatch mode is active, so under selective the block would lose its compiled code
+   (tests/integrations/test_compile.py pins that a compiled block is recomputed whole).
 
 Before a block has run ``selective``, the chooser (NOTE [Chooser] in tba/decide/chooser.py) needs
 what it would keep: the pack hook marks a saved tensor whose autograd history, through views,

@@ -14,9 +14,10 @@ function of ``W`` alone. Such a tensor is recomputed at unpack instead. The rule
    the model given to ``step()``) on the same device. The graph says this and nothing else
    can: an in-place op on ``B`` under grad mode replaces ``B.grad_fn``, and one under
    ``no_grad`` bumps the version counter, so ``t._version`` must still be 0. Recognising costs
-   one ``grad_fn`` lookup for every other saved tensor (activations fail at the first test):
-   under 1 us, and one more GC-tracked object per saved tensor, the producer node's Python
-   object, which autograd keeps as long as the node (benchmarks/bench_hotpath.py counts it).
+   one ``grad_fn`` lookup for every other saved tensor (activations fail at the first test),
+   small next to the rest of the pack hook, and one more GC-tracked object per saved tensor, the
+   producer node's Python object, which autograd keeps as long as the node
+   (benchmarks/bench_hotpath.py counts it).
 2. *The recipe.* The view nodes are replayed on the detached parameter once, at pack, to learn
    the geometry (size, stride, storage offset) of the copy's input in the parameter's storage.
    At unpack: an empty tensor with ``B``'s size and strides, ``copy_`` from that view of the
@@ -32,7 +33,8 @@ function of ``W`` alone. Such a tensor is recomputed at unpack instead. The rule
    (``W.data = ...``, sharded parameters gathered and freed) raises ``tba.UnpackError``
    naming ``TBA_RECOMPUTE_WEIGHTS=0``, which turns this rule off.
 4. *Boundary.* Only tensors whose graph links them to a parameter: a frozen parameter
-   (``requires_grad=False``) has no ``AccumulateGrad``, so its casts are offloaded as before.
+   (``requires_grad=False``) has no ``AccumulateGrad``, so its casts are offloaded like any
+   other saved tensor.
    A parameter edited in place after its cast was made and before that cast is saved (a cast
    reused from autocast's cache across such an edit) is not detected; stock autocast then
    computes with the stale cast, tba with the new weights. Writes through ``.data`` bypass

@@ -154,17 +154,16 @@ class StagingPool:
 # so a drive that stopped does not cost a timeout per tensor.
 # With TBA_MEMORY_BUDGET set, 'wait' is the default (an explicit TBA_STAGING_FULL stands): a
 # tensor kept for a full staging stays resident for the rest of the forward, which no budget
-# can allow for, while a wait holds it only until one write completes. Measured on W1 at batch
-# 33 (tcmalloc, budget 358 MiB, bench_headroom): the two 132 MiB MLP tensors of each block did
-# not both fit the 256 MiB staging, so with 'keep' each second one stayed resident: step 1's
-# peak_resident_bytes was 665 MiB and the process peaked at 1862 MiB (OOM-killed under a
-# 1280 MiB cap); with 'wait' 137 MiB and 1204 MiB. The Offloader's config reports the value in
-# use (with_budget_backpressure in tba/datapath/io.py).
+# can allow for, while a wait holds it only until one write completes. When a block's largest
+# tensors do not all fit the staging at once, 'keep' leaves some of them resident in every block
+# for the rest of the forward, so the peak grows with the model's depth and can pass a memory cap
+# that 'wait' holds (BENCHMARKS.md, "Batch headroom"). The Offloader's config reports the value
+# in use (with_budget_backpressure in tba/datapath/io.py).
 # NOTE [Direct capture]
-# On the CPU a capture into staging is a memcpy on the training thread (about 0.045 s/GiB: 35 ms
-# of W1's 3.7 s step) and the pool it fills is host memory the process keeps. So a large CPU
-# tensor is written from its own memory instead: the entry holds the source tensor until the
-# write completes, then lets it go. O_DIRECT needs the buffer address and length to be multiples
+# On the CPU a capture into staging is a memcpy on the training thread, time paid for every byte
+# offloaded, and the pool it fills is host memory the process keeps. So a large CPU tensor is
+# written from its own memory instead: the entry holds the source tensor until the write
+# completes, then lets it go. O_DIRECT needs the buffer address and length to be multiples
 # of the backend's alignment (a page), which a torch allocation (64-byte aligned) rarely is, so
 # the write covers the whole pages around the tensor: ``skew`` bytes before it and the rest of
 # its last page after it. Those bytes are mapped (same pages) but not ours; they go to the spill

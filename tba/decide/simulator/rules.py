@@ -108,18 +108,18 @@ def pieces(nbytes: int, name: str = "", size: int = PIECE) -> list[Saved]:
 
 
 # NOTE [Measured layout]
-# Uniform pieces put a group's bytes evenly over its forward. A transformer block's are not: on
-# W1 the two 32 MiB MLP activations, half of a block's 128 MiB, are its last saves. Writes go in
-# pack order, so on a slow disk those are still in staging when backward reaches the block and
-# are never read, while the first, small ones are on disk and are. With 14 MiB pieces the
-# chooser predicted W1's blocks read 85 MiB at 50 MB/s where the run read 64, and an assignment
-# offloading four blocks 17 to 22% slower than it ran. A step that packs a group's tensors
-# (kept or offloaded) records each new storage's bytes in pack order (``GroupStat.sizes``);
-# ``measured_pieces`` gives the simulator those tensors, the i-th of n packed in the middle of
-# forward slice i and needed and released as ``pieces`` has it. Runs of tensors below ``SMALL`` are
-# merged (their order matters little; the replay's cost grows with the count). When they do
-# not add up to the group's bytes (those were measured in another step, e.g. one that
-# recomputed the block), they are scaled to them; without sizes it is ``pieces``.
+# Uniform pieces put a group's bytes evenly over its forward. A transformer block's are not: in a
+# pre-LN block the MLP's two activations of width 4H, about half of what the block saves, are its
+# last saves. Writes go in pack order, so on a slow disk those are still in staging when backward
+# reaches the block and are never read, while the first, small ones are on disk and are. Uniform
+# pieces therefore overstate what backward reads on a slow disk, and so the step time of the
+# assignments that offload. A step that packs a group's tensors (kept or offloaded) records each new
+# storage's bytes in pack order (``GroupStat.sizes``); ``measured_pieces`` gives the simulator those
+# tensors, the i-th of n packed in the middle of forward slice i and needed and released as
+# ``pieces`` has it. Runs of tensors below ``SMALL`` are merged (their order matters little; the
+# replay's cost grows with the count). When they do not add up to the group's bytes (those were
+# measured in another step, e.g. one that recomputed the block), they are scaled to them; without
+# sizes it is ``pieces``.
 SMALL = 1 << 20
 
 
@@ -166,10 +166,9 @@ def measured_pieces(nbytes: int, sizes: Sequence[int], name: str = "") -> list[S
 # depth does not drop below twice the depth that stalled (up to the cap, or, for the default
 # cap, up to two largest reads where those are more: NOTE [Memory budget] in tba/decide/budget.py;
 # DepthController in tba/decide/readahead.py) until FLOOR_AGE steps pass without a stall, when the
-# floor halves. A smaller
-# window is a lower peak: on W1 the read-ahead window is most of what tba keeps resident in
-# backward. TBA_MEMORY_BUDGET can cut the window below this (NOTE [Memory budget] in
-# tba/decide/budget.py), never below one largest read.
+# floor halves. A smaller window is a lower peak: when the disk keeps up, the read-ahead window is
+# most of what tba keeps resident in backward. TBA_MEMORY_BUDGET can cut the window below this
+# (NOTE [Memory budget] in tba/decide/budget.py), never below one largest read.
 DEPTH_SAFETY = 2.0
 
 
