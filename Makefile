@@ -1,4 +1,5 @@
 # make demo: train a small GPT with and without tba and print the comparison table.
+# make lint: ruff, ruff format, the layers contract and mypy (.pre-commit-config.yaml: the same).
 # make test: lint, then the whole test suite, then the GPU check's dry run (< 1 min, no GPU).
 # make gpu-check: on a GPU machine whose python has torch with CUDA (no venv, no network):
 #   benchmarks/gpu/check.sh, 20 minutes at most; results in gpu-check-out/.
@@ -35,6 +36,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache  # the layering in pyproject.toml [tool.importlinter]
+	$(VENV)/bin/mypy  # over tba/, at the strictness of pyproject.toml [tool.mypy]
 
 test: lint
 	$(PY) -m pytest -q
@@ -49,4 +51,4 @@ bench: $(VENV)/.base
 	$(PY) benchmarks/bench_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache tba/_engine*.so gpu-check-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache tba/_engine*.so gpu-check-out
