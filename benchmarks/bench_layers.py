@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         rows.append(
             {
                 "conversion": name,
-                "gradient": "exact" if name in EXACT else "changed (see README)",
+                "gradient": "exact" if name in EXACT else "changed (see docs/layers.md)",
                 "saved_bytes": st["saved_bytes"],
                 "saved_vs_stock": st["saved_bytes"] / stock_saved,
                 "peak_resident_bytes_tba": st["peak_resident_bytes"],

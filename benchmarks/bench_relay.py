@@ -15,8 +15,8 @@ backward) and graph (each layer's autograd graph kept, no recompute), each also 
 ``workers=True`` (optimizer steps and weight copies on worker threads, overlapping compute); and
 ssd (both SSD tiers, recompute) with overlap on and off (SSD reads ahead, or not).
 
-memory: a child process per run (LD_PRELOAD of tcmalloc when installed, as README "Memory the
-process gives back" advises; in a memory cgroup of its own without a cap, when one can be made,
+memory: a child process per run (LD_PRELOAD of tcmalloc when installed, as docs/planning.md, "Memory
+the process gives back", advises; in a memory cgroup of its own without a cap, when one can be made,
 see bench_headroom.py), W1-sized blocks at each depth, U=4 micro-batches of ``--micro-batch``,
 2 steps. Plain accumulation against the relay with eps="ssd", stash="ssd" (layers built one at a
 time: the relay process never holds the whole model). Peak RSS (VmHWM), the RSS after

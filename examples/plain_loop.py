@@ -4,7 +4,7 @@
     TBA_SPILL_DIR=/local_nvme/tba python examples/plain_loop.py --steps 20
     TBA_ENABLED=0 python examples/plain_loop.py         # the same loop, no offload
 
-Settings come from the TBA_* environment (README.md, "Configuration"). The model is tba's small
+Settings come from the TBA_* environment (docs/configuration.md). The model is tba's small
 test GPT; the data is a next-token task it can learn (each sequence counts up by a fixed stride),
 so the loss goes down.
 """

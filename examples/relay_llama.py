@@ -8,7 +8,7 @@ stashed layer inputs on SSD, so that memory does not grow with the number of lay
 The model is a LlamaForCausalLM built from a small config with random weights: nothing is
 downloaded. The data is a next-token task it can learn (each sequence counts up by a fixed
 stride), so the loss goes down. Storage settings (spill dir, backend) come from the TBA_*
-environment (README.md, "Configuration").
+environment (docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the bytes written to and read from disk, and whether the losses are bit-identica
 
     python examples/train_gpt.py [--steps 8] [--spill-dir /var/tmp] [--batch 16]
 
-tba settings come from the TBA_* environment (see README.md); --spill-dir sets TBA_SPILL_DIR.
+tba settings come from the TBA_* environment (docs/configuration.md); --spill-dir sets it.
 """
 
 from __future__ import annotations

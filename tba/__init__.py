@@ -20,7 +20,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import metrics  # tba.metrics.registry(), METRICS: see README "Metrics"
+from . import metrics  # tba.metrics.registry(), METRICS: docs/observability.md
 from .config import Config
 from .errors import (
     CapacityError,

@@ -13,7 +13,7 @@ from tba.testing import warm_cpu_math
 
 
 def no_cuda_reason() -> str:
-    """Why ``gpu``-marked tests skip here, for the GPU check's dry run (README)."""
+    """Why ``gpu``-marked tests skip here, for the GPU check's dry run (docs/gpu.md)."""
     if torch.version.cuda is None:
         return f"needs a CUDA device: torch {torch.__version__} is a CPU build"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,26 +1,64 @@
-"""The README documents every setting and every stats() key."""
+"""The documents stay true: docs/configuration.md documents every setting and every stats()
+key, the README starts with the two commands and links to the reference, every cited NOTE is
+written out once, and every cited repository file exists."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import tba
 from tba.config import Config
+from tba.records.reasons import KEPT_REASONS
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+CONFIGURATION = os.path.join(ROOT, "docs", "configuration.md")
 
 
 def readme() -> str:
-    with open(README) as f:
+    with open(README, encoding="utf-8") as f:
         return f.read()
 
 
-def test_readme_lists_every_variable_and_stats_key():
-    text = readme()
+def configuration() -> str:
+    with open(CONFIGURATION, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_configuration_page_lists_every_variable_with_its_default():
+    """Each TBA_* variable of Config.describe() has its own row in the reference table."""
+    text = configuration()
     for _, env, _, _ in Config.describe():
-        assert f"`{env}`" in text, f"README.md does not document {env}"
+        row = re.search(rf"^\| `{env}` \| ([^|]+) \| ([^|]+) \|", text, re.M)
+        assert row, f"docs/configuration.md has no table row for {env}"
+        assert row.group(1).strip() and row.group(2).strip(), f"{env}: no default or meaning"
+
+
+def test_configuration_page_lists_every_stats_key(tmp_path):
+    """Every pinned key, every key a real step's stats() returns, and every kept reason."""
+    import torch
+
+    text = configuration()
     for key in tba.PINNED_KEYS:
-        assert f"`{key}`" in text, f"README.md does not document stats()['{key}']"
+        assert f"| `{key}` |" in text, f"docs/configuration.md has no row for stats()['{key}']"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    with tba.Offloader(tba.Config(spill_dir=str(tmp_path), backend="memory")) as off:
+        with off.step(model):
+            loss = model(torch.randn(32, 64)).sum()
+        loss.backward()
+        keys = set(off.stats())
+    for key in sorted(keys):
+        assert f"`{key}`" in text, f"docs/configuration.md does not document stats()['{key}']"
+    for reason in KEPT_REASONS:
+        assert f"| `{reason}` |" in text, f"docs/configuration.md: no row for kept reason {reason}"
+
+
+def test_readme_links_to_the_reference():
+    text = readme()
+    assert "(docs/configuration.md)" in text, "README.md does not link to docs/configuration.md"
+    for name in ("TBA_SPILL_DIR", "TBA_BACKEND", "TBA_MEMORY_BUDGET", "TBA_POLICY"):
+        assert f"`{name}`" in text, f"README.md's short settings table lacks {name}"
 
 
 def test_readme_starts_with_the_two_commands():
@@ -45,7 +83,6 @@ def test_torch_free_parts_import_without_torch():
     assert out.returncode == 0, out.stderr
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ("tba", "tests", "benchmarks", "examples", "native", "deploy", "docs", ".ci")
 TOP_DOCS = ("README.md", "BENCHMARKS.md", "Makefile", "pyproject.toml")
 CITING = (".py", ".md", ".c", ".h", ".yml", ".yaml", ".json", ".service")
@@ -69,8 +106,6 @@ def _texts():
 def test_every_cited_note_is_defined_once():
     """A ``NOTE [...]`` cited anywhere is written out once: a line that starts with it (after a
     comment marker) and ends there or goes on with a parenthesis."""
-    import re
-
     defined: dict[str, list[str]] = {}
     cited: dict[str, set[str]] = {}
     for path, text in _texts():
@@ -79,7 +114,7 @@ def test_every_cited_note_is_defined_once():
             defined.setdefault(m.group(1), []).append(path)
         for m in re.finditer(r"NOTE \[([^\]\n]+)\]", text):
             cited.setdefault(m.group(1), set()).add(path)
-    cited.pop("...", None)  # the convention itself, named in the README
+    cited.pop("...", None)  # the convention itself, named in docs/CONTRIBUTING.md
     missing = {name: sorted(where) for name, where in cited.items() if name not in defined}
     assert not missing, f"NOTEs cited but never written out: {missing}"
     twice = {name: where for name, where in defined.items() if len(where) > 1}
@@ -89,8 +124,6 @@ def test_every_cited_note_is_defined_once():
 def test_cited_repository_files_exist():
     """Paths of this repository named in code and docs exist, and nothing cites the design
     notes that live outside it (their content is in docs/)."""
-    import re
-
     pattern = re.compile(
         r"(?<![\w./-])((?:tba|tests|benchmarks|examples|native|deploy|docs)/[\w./-]*\w"
         r"|(?:README|BENCHMARKS)\.md)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (README, "The GPU check"): one command for a bare GPU machine with no network
+# The GPU check (docs/gpu.md, "The GPU check"): one command for a bare GPU machine with no network
 # whose python already has torch with CUDA. In order, each step timed and logged:
 #   1. install tba from this checkout without fetching anything (builds the native engine);
 #      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
@@ -77,7 +77,7 @@ else
         run kvikio_install 120 "$PY" -m pip install --no-deps --no-index "$KVIKIO_WHEELS"/*.whl
     fi
     if ! "$PY" -c "import pytest" 2>/dev/null; then
-        echo "== pytest does not import: carry its wheels (README, The GPU check)" | tee -a "$LOG"
+        echo "== pytest does not import: carry its wheels (docs/gpu.md, Carrying wheels)" | tee -a "$LOG"
         printf '{"step": "pytest_missing", "rc": 1, "seconds": 0, "timed_out": false}\n' >>"$STEPS"
     fi
     run gpu_tests "$(( $(left) > 400 ? 400 : $(left) ))" "$PY" -m pytest -m gpu -rs -q \

@@ -249,7 +249,7 @@ _FIELDS: dict[str, _Field] = {
         _optional_file,
         None,
         "Append a JSON-lines trace here: per step and group, bytes packed, offloaded and kept, "
-        "forward and backward compute time, write and read times, stalls (see README).",
+        "forward and backward compute time, write and read times, stalls (docs/observability.md).",
     ),
     "metrics_dir": _Field(
         "TBA_METRICS_DIR",

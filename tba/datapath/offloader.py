@@ -1,6 +1,6 @@
 """`tba.Offloader`: builds the parts of the data path from a Config and runs them step by step.
 
-The parts, top to bottom (README, "How the code is laid out"): the hook (tba/datapath/hook.py) hands
+The parts, top to bottom (docs/design.md, tba.datapath): the hook (tba/datapath/hook.py) hands
 each saved tensor to the Packer (tba/datapath/pack.py) and each unpack to the Reader
 (tba/datapath/unpack.py); both work through the shared I/O state (tba/datapath/io.py) on the index
 (tba/records/index.py), entries (tba/records/entry.py), coalescing, staging, device adapters and a
@@ -187,7 +187,7 @@ class Offloader:
                 self._publish(settle=False)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the last step whose forward has ended (README, "stats()", for keys)."""
+        """Counters of the last step whose forward has ended (keys: docs/configuration.md)."""
         if not self.enabled:
             return (self._last or StepState(0, self.clock)).snapshot(0)
         with self.io.lock:

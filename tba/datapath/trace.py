@@ -1,6 +1,6 @@
 """``TBA_TRACE=path.jsonl``: one JSON object per line, appended as steps complete.
 
-Format (version 1), documented in the README:
+Format (version 1), documented in docs/observability.md ("Trace"):
 
 - ``{"type": "meta", "version": 1, "pid", "rank", "backend", "backend_reason", "config"}``,
   once per Offloader;

@@ -36,7 +36,7 @@ def read_trace(path: str) -> tuple[Workload, TraceInfo]:
     """Per-group compute and bytes from a JSON-lines trace (schema version 1).
 
     Unknown keys and record types are ignored. Figures are medians over the steps after the
-    first (all steps when there is only one); ``bwd_seconds`` excludes stalls (README, Trace).
+    first (all steps if only one); ``bwd_seconds`` excludes stalls (docs/observability.md).
     ``offloaded_bytes`` counts each storage once, but ``packed_bytes``, ``kept_bytes`` and
     ``keepable_bytes`` count it once per view saved (q, k and v of one projection: three
     times). So a kept block's offloadable bytes are ``keepable_bytes`` times the unique share

@@ -13,8 +13,8 @@ import torch
 
 from ..host.clock import SYSTEM, Clock
 
-# The keys of ``stats()`` that code outside this repository relies on (README, "stats()"), in
-# the order the README lists them. More keys may be added; these never change.
+# The keys of ``stats()`` that code outside this repository relies on (docs/configuration.md,
+# "stats()"), in the order that page lists them. More keys may be added; these never change.
 PINNED_KEYS = (
     "saved_bytes",
     "bytes_offloaded",

@@ -4,7 +4,7 @@ NOTE [SSD stash]
 1. ``put`` copies the tensor into a page-aligned staging buffer and writes it to a fresh
    extent; the caller may drop its tensor at once. The staging buffer is released when the
    write completes (a done-callback that only drops a reference: it must not do I/O, see the
-   native engine's single reaper thread in README "Limits").
+   native engine's single reaper thread in README, "Known limits").
 2. Staging in flight is bounded by ``tba.Config.staging_bytes``: ``put`` waits for the oldest
    writes past it (counted in ``stash_wait_seconds``), so that a slow disk cannot make memory
    grow with depth.

@@ -8,7 +8,7 @@ NOTE [Sidecar concurrency]
    loop only swaps in the results and formats /status.
 2. aiofiles is not used: it would run the same calls in the same kind of executor, one await
    per call instead of one per scan. The loop's own delay is measured all the time (a 50 ms
-   timer's overshoot, ``tba_sidecar_loop_lag_seconds``); README ("Sidecar") gives the figures
+   timer's overshoot, ``tba_sidecar_loop_lag_seconds``); docs/observability.md gives the figures
    with and without the executor (benchmarks/bench_sidecar.py lag).
 3. The state a scrape reads (a :class:`~tba.sidecar.node.NodeSnapshot`) is built on the loop
    and never mutated afterwards, so a collection running in the executor needs no lock.

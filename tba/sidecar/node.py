@@ -63,7 +63,7 @@ NODE_METRICS: dict[str, tuple[str, str]] = {
     "tba_ssd_projected_days_left": (
         "gauge",
         "Days until the rated TBW is reached at the current rate; assumes no writes before "
-        "this boot, so an upper bound (README, SSD endurance)",
+        "this boot, so an upper bound (docs/observability.md, SSD endurance)",
     ),
 }
 

@@ -12,7 +12,7 @@ from ..errors import TBAError
 
 __all__ = ["DEFAULT_PORT", "Settings", "SidecarError", "check_metrics_dir"]
 
-# Not registered anywhere; chosen next to the exporters' 9100-9999 range, documented in README.
+# Not registered anywhere; next to the exporters' 9100-9999 range (docs/observability.md).
 DEFAULT_PORT = 9477
 
 

@@ -18,7 +18,7 @@ EXPECTED = {
     "gpt2": ({"NewGELUActivation": 2}, {"LayerNorm": 5}),
     "bert": ({"GELUActivation": 3}, {"LayerNorm": 6}),  # + the MLM head's transform
     # RobertaLMHead calls transformers.activations.gelu, a module-level instance that is not a
-    # submodule: invisible to convert, like any functional call (README, "Limits").
+    # submodule: invisible to convert, like any functional call (docs/layers.md, "Limits").
     "roberta": ({"GELUActivation": 2}, {"LayerNorm": 6}),
     "llama": ({"SiLUActivation": 2}, {"LlamaRMSNorm": 5}),
     "mistral": ({"SiLUActivation": 2}, {"MistralRMSNorm": 5}),

@@ -1,8 +1,8 @@
 """convert(preset=...) on random-init HF GPT-2, BERT, RoBERTa, Llama, Mistral, Qwen2 and Gemma.
 
 Tolerances (float32, CPU), per parameter p: |grad - reference| <= RTOL * max|reference_p| +
-ATOL * max over all parameters of |reference|. The layer-level bounds behind them are in the
-README ("Lean layers"): TempoGELU / TempoSiLU derivatives within 5e-6 (5e-4 within 0.05 of the
+ATOL * max over all parameters of |reference|. The layer-level bounds behind them are in
+docs/layers.md: TempoGELU / TempoSiLU derivatives within 5e-6 (5e-4 within 0.05 of the
 minimum), Tempo norms exact up to the rounding of y. ATOL covers gradients that are zero in exact
 arithmetic (attention key biases) and come out as rounding noise on both sides.
 """
@@ -138,7 +138,7 @@ def test_family_presets_check_the_model_type():
 
 
 def test_new_gelu_activation_keeps_four_tensors_and_tempo_keeps_a_bit():
-    """README: HF's NewGELUActivation (a Python formula) keeps 4 n b bytes; TempoGELU("tanh")
+    """docs/layers.md: HF's NewGELUActivation (Python formula) keeps 4 n b bytes; TempoGELU("tanh")
     keeps y, which the next Linear keeps anyway, and ceil(n / 8) bytes of branch bits."""
     from transformers.activations import NewGELUActivation
 

@@ -38,7 +38,7 @@ function of ``W`` alone. Such a tensor is recomputed at unpack instead. The rule
    A parameter edited in place after its cast was made and before that cast is saved (a cast
    reused from autocast's cache across such an edit) is not detected; stock autocast then
    computes with the stale cast, tba with the new weights. Writes through ``.data`` bypass
-   version counters here as everywhere (README, "In-place checks").
+   version counters here as everywhere (docs/how-it-works.md, "In-place checks").
 """
 
 from __future__ import annotations
