@@ -116,14 +116,20 @@ def internal_error(component: str, what: str) -> InternalError:
 def modified_error(
     shape: object, dtype: object, now: int, then: int, what: str = "saved tensor"
 ) -> UnpackError:
-    """Stock PyTorch's in-place error, for a saved tensor modified after it was packed, or
-    for the parameter a weight-derived tensor is recomputed from (``what="parameter"``,
+    """Stock PyTorch's in-place error, for a saved tensor modified after it was packed (a
+    parameter or leaf passed through: ``what="saved parameter or leaf"``), or for the parameter
+    a weight-derived tensor is recomputed from (``what="parameter"``,
     NOTE [Weight-derived tensors] in tba/datapath/capture/derived.py)."""
     if what == "parameter":
         fix = (
             "A saved cast of this parameter is recomputed from it in backward, as autograd "
             "reads a parameter it saved: modify parameters after backward (optimizer.step()), "
             "or set TBA_RECOMPUTE_WEIGHTS=0 where a framework rewrites them in between."
+        )
+    elif what.startswith("saved parameter"):
+        fix = (
+            "Stock PyTorch raises here too: change parameters after backward (optimizer.step() "
+            "after loss.backward()), or clone the tensor before modifying it."
         )
     else:
         fix = (

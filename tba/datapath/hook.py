@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..records.handle import Handle, KeptHandle
+from ..records.handle import Handle, KeptHandle, Passed
 from ..records.step import StepState
 from .capture.derived import Derived
 from .capture.dtensor import DTensorHandle
@@ -85,6 +85,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             out = self.reader.unpack(packed)
             packed.stat.unpack_seconds += st.clock() - t0 - (st.stall_seconds - stalled)
             return out
+        if type(packed) is Passed:  # NOTE [Passed through]
+            return packed.unpack()
         if isinstance(packed, KeptHandle):
             clock = self.st.clock
             t0 = clock()

@@ -20,7 +20,7 @@ import torch
 from ..decide.keep import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from ..errors import internal_error
 from ..records.entry import DEAD, FAILED, Entry
-from ..records.handle import Handle, KeptHandle, layout
+from ..records.handle import Handle, KeptHandle, Passed, layout
 from ..records.index import Index
 from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
@@ -52,11 +52,12 @@ class Packer:
 
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
-        """What autograd stores for ``t``: a handle, a kept handle, or ``t`` itself."""
+        """What autograd stores for ``t``: a handle, a kept handle, a recipe, or ``t`` itself
+        with its version (NOTE [Passed through])."""
         if unsupported(t):
             return self._unsupported(t, st)
         if is_parameter_like(t, self.param_storages):
-            return t  # held by the model anyway; never written, never counted
+            return Passed(t)  # held by the model anyway; never written, never counted
         if self.recompute_weights:
             d = derived(t, self.param_storages)
             if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
@@ -128,7 +129,7 @@ class Packer:
                     f"DTensor through its local shard, but cannot capture this subclass's "
                     f"bytes; the memory they take is not saved.",
                 )
-        return t
+        return Passed(t) if reason == "unsupported" else t
 
     def count_hidden(self, t: torch.Tensor, st: StepState) -> int:
         """Count a tensor a recomputed block saves inside its checkpoint (tba never holds it)

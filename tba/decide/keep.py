@@ -30,6 +30,7 @@ def is_parameter_like(t: torch.Tensor, param_storages: frozenset[int] | set[int]
 def unsupported(t: torch.Tensor) -> bool:
     return (
         type(t) not in PLAIN_TYPES
+        or t.is_nested  # strided, but without sizes or strides of its own
         or t.layout is not torch.strided
         or not (t.is_cpu or t.is_cuda)
         or t.numel() == 0

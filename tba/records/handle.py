@@ -138,6 +138,35 @@ class Handle:
         return out.set_(buf.untyped_storage(), base + self.offset, self.size, self.stride)
 
 
+# NOTE [Passed through]
+# Autograd checks a saved tensor's version when backward unpacks it, unless saved-tensor hooks
+# are installed: then it leaves the check to the hooks. What tba's pack returns as it is (a
+# parameter, a view of one, another grad-requiring leaf, a model buffer, a tensor tba cannot
+# capture) would come back unchecked, so a parameter changed in place between forward and backward
+# (an optimizer step, a weight update under no_grad) would give a silently wrong gradient where
+# stock PyTorch raises. Such a tensor is packed as a Passed, which records the version at pack, as
+# autograd's SavedVariable does at the same moment, and raises stock's error at unpack when the
+# tensor's version counter has moved since. It holds the tensor, which something else holds anyway.
+class Passed:
+    """A saved tensor tba does not move, with its version at pack (NOTE [Passed through])."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            shape = ("nested",) if t.is_nested else t.shape
+            base = t if t._base is None else t._base
+            leaf = t.requires_grad and base.is_leaf
+            what = "saved parameter or leaf" if leaf else "saved tensor"
+            raise modified_error(shape, t.dtype, t._version, self.version, what)
+        return t
+
+
 class KeptEntry:
     """Accounting for a storage that stays resident because kept handles reference it."""
 

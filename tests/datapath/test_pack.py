@@ -11,7 +11,7 @@ import torch
 
 import tba
 from tba.records.entry import FAILED, MEMORY, ON_DISK
-from tba.records.handle import Handle, KeptHandle
+from tba.records.handle import Handle, KeptHandle, Passed
 
 from .._core import TICK, Core, FailingBackend, GatedBackend, RefusingBackend
 
@@ -58,13 +58,17 @@ def test_views_of_one_storage_share_one_capture(core):
     assert all(torch.equal(c.unpack(h), w) for h, w in zip(hs, want))
 
 
-def test_unsupported_tensors_and_parameters_are_returned_as_they_are(core):
+def test_unsupported_tensors_and_parameters_are_passed_through(core):
+    """As themselves, with their version at pack (NOTE [Passed through])."""
     c = core()
     st = c.begin()
     sparse = torch.randn(8, 8).to_sparse()
     param = torch.nn.Parameter(torch.randn(1024))
-    assert c.pack(sparse, st) is sparse and c.pack(param, st) is param
-    assert c.pack(param.t(), st)._base is param  # a view of a parameter: itself
+    got = [c.pack(sparse, st), c.pack(param, st), c.pack(param.t(), st)]
+    assert all(type(p) is Passed for p in got)
+    assert got[0].tensor is sparse and got[1].tensor is param
+    assert got[2].tensor._base is param  # a view of a parameter: itself
+    assert got[0].unpack() is sparse and got[1].unpack() is param
     assert dict(st.kept_reasons) == {"unsupported": 1} and st.saved_bytes == 0
 
 
