@@ -32,6 +32,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .datapath.blocks.groups import compile_blocks
     from .datapath.offloader import Offloader
     from .records.step import PINNED_KEYS
 
@@ -47,6 +48,7 @@ __all__ = [
     "TBAError",
     "UnpackError",
     "UsageError",
+    "compile_blocks",
     "default_offloader",
     "metrics",
     "offload",
@@ -59,6 +61,8 @@ _default_lock = threading.Lock()
 def __getattr__(name: str) -> Any:
     if name == "Offloader":
         from .datapath.offloader import Offloader as value
+    elif name == "compile_blocks":
+        from .datapath.blocks.groups import compile_blocks as value
     elif name == "PINNED_KEYS":
         from .records.step import PINNED_KEYS as value
     else:

@@ -84,7 +84,12 @@ class Packer:
             seen = st.saved_bytes
             sref = st.see(storage, key[0], snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes, key[3])
-            reason = self.policy.keep_reason(nbytes, self.groups.on_pack(nbytes))
+            groups = self.groups
+            compiled = groups.outside_blocks() and groups.in_enclosing_region()
+            reason = self.policy.keep_reason(nbytes, groups.on_pack(nbytes, compiled))
+            if compiled and reason is None:
+                reason = "compiled"  # NOTE [Enclosing compiled regions]
+                self._warn_compiled()
             gs = self.groups.stat
             new = st.saved_bytes - seen  # a storage first seen now: its bytes, else 0
             if new:
@@ -106,6 +111,18 @@ class Packer:
             h = KeptHandle(t, index.kept_entry(key[0], snbytes), key, gs)
             index.add_handle(h)
             return h
+
+    def _warn_compiled(self) -> None:
+        name = self.groups.model.name if self.groups.model is not None else "the model"
+        self.io.warn_once(
+            "compiled-region",
+            f"tba.pack: keeping in memory what a torch.compile region saves "
+            f"(stats()['kept_reasons']['compiled']): the region encloses the blocks of {name}, "
+            "so everything it saves exists at once when it ends and again when its backward "
+            "starts, and writing it would not lower the peak. To offload (or recompute) by "
+            "block, compile each block instead and leave the model uncompiled: "
+            "tba.compile_blocks(model), or `model.layers[i] = torch.compile(model.layers[i])`.",
+        )
 
     def _unsupported(self, t: torch.Tensor, st: StepState) -> Any:
         """A DTensor goes through its local shard (NOTE [DTensor]); anything else stays."""

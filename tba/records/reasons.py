@@ -23,6 +23,8 @@ KEPT_REASONS = {
     "subclass": "a tensor subclass other than DTensor (e.g. Float8Tensor): kept, with a warning",
     "group": "it belongs to one of the last TBA_KEEP_LAST blocks, which backward needs first",
     "recompute": "an input of a block tba recomputes in backward (checkpointing keeps it)",
+    "compiled": "saved by a torch.compile region that encloses the model's blocks: all of them "
+    "exist at once when it ends, so writing them would not lower the peak",
     "staging_full": "the staging budget (TBA_STAGING_BYTES) was full",
     "quota": "the per-process quota TBA_MAX_DISK_BYTES refused space",
     "disk_full": "the filesystem is full, or below the TBA_MIN_FREE_BYTES floor",

@@ -7,6 +7,7 @@ cannot, and the combinations that cannot work refused with tba's message."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 import warnings
@@ -97,6 +98,13 @@ def no_tba_warnings():
     assert not about_tba
 
 
+def assert_said_once_about_the_region(caplog, model: str) -> None:
+    said = [r.getMessage() for r in caplog.records if r.name == "tba"]
+    assert len(said) == 1, said
+    assert f"the region encloses the blocks of {model}" in said[0]
+    assert "tba.compile_blocks(model)" in said[0]
+
+
 def _exact(a, b) -> bool:
     (la, ga), (lb, gb) = a[:2], b[:2]
     return all(torch.equal(x, y) for x, y in zip(la, lb)) and all(
@@ -118,15 +126,18 @@ def off(tmp_path):
     [{}, {"fullgraph": True}, {"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}],
     ids=["default", "fullgraph", "max-autotune-no-cudagraphs"],
 )
-def test_compiled_model_same_graphs_and_exact(off, options):
+def test_compiled_model_same_graphs_and_exact(off, options, caplog):
     def make(model):
         return torch.compile(model, **options)
 
     ref = _train(make)
-    with no_tba_warnings():
+    with no_tba_warnings(), caplog.at_level(logging.WARNING, logger="tba"):
         got = _train(make, off)
     st = off.stats()
-    assert st["bytes_offloaded"] > 0 and st["bytes_reloaded"] > 0
+    # the region holds every block, head included: nothing is written, and tba says so once
+    # (NOTE [Enclosing compiled regions])
+    assert st["bytes_offloaded"] == 0 and st["kept_reasons"]["compiled"] == st["tensors_kept"] > 0
+    assert_said_once_about_the_region(caplog, "MLP")
     (first, last), (ref_first, ref_last) = got[2], ref[2]
     assert first == ref_first and first[0] >= 1 and first[1] == 0  # same graphs, no breaks
     assert last == first  # no recompilation after the first step
@@ -154,6 +165,30 @@ def test_per_block_compile_groups_by_block(tmp_path):
     assert _exact(got, ref)
 
 
+def test_compile_blocks_compiles_each_block_and_tba_offloads_by_block(tmp_path):
+    def make(model):
+        return tba.compile_blocks(model, backend="aot_eager")
+
+    ref = _train(make)
+    cfg = tba.Config(spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=0, coalesce_bytes=0)
+    steps: list[dict] = []
+    with tba.Offloader(cfg) as off, no_tba_warnings():
+        got = _train(make, off, stats=steps)
+    model = got[3]
+    assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in model.blocks)
+    assert not isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    assert got[2] == ref[2] and got[2][0][1] == 0  # the same graphs as per-block without tba
+    assert _exact(got, ref)
+    for st in steps:  # each region is one block's: written, grouped by block
+        assert st["bytes_offloaded"] > 0 and "compiled" not in st["kept_reasons"]
+        assert st["group_policy"] == ["offload"] * 3
+
+
+def test_compile_blocks_needs_blocks():
+    with pytest.raises(tba.UsageError, match=r"tba.compile_blocks: Linear has no blocks"):
+        tba.compile_blocks(nn.Linear(2, 2))
+
+
 def _whole_compiled_before_tba(model):
     compiled = torch.compile(model, backend="aot_eager")
     compiled(torch.randn(16, 32)).backward()  # compiled code built before tba's hooks exist
@@ -167,12 +202,26 @@ def _blocks_compiled_in_place(model):
     return model
 
 
-@pytest.mark.parametrize(
-    "make", [_whole_compiled_before_tba, _blocks_compiled_in_place], ids=["whole", "in-place"]
-)
-def test_blocks_inside_a_compiled_region_warn_once_and_group_by_windows(tmp_path, make):
-    # The blocks' module hooks run inside compiled regions (traced, they do nothing), so no
-    # block boundary is seen. keep_last then counts pack-order windows, and tba says so once.
+def test_a_model_compiled_before_tba_is_kept_whole(tmp_path, caplog):
+    # Compiled code built before tba's hooks existed: one region that holds every block, so
+    # its tensors all exist at once at its end and tba writes none of them.
+    ref = _train(_whole_compiled_before_tba, rows=2048)
+    cfg = tba.Config(spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=1, group_bytes="1MiB")
+    steps: list[dict] = []
+    quiet = caplog.at_level(logging.WARNING, logger="tba")
+    with tba.Offloader(cfg) as off, no_tba_warnings(), quiet:
+        got = _train(_whole_compiled_before_tba, off, rows=2048, stats=steps)
+    assert all(st["bytes_offloaded"] == 0 and st["kept_reasons"]["compiled"] > 0 for st in steps)
+    assert_said_once_about_the_region(caplog, "MLP")
+    assert got[2] == ref[2]
+    assert _exact(got, ref)
+
+
+def test_blocks_compiled_in_place_warn_once_and_group_by_windows(tmp_path):
+    # Each block's hooks run inside its own region (traced, they do nothing), so no block
+    # boundary is seen. keep_last then counts pack-order windows, and tba says so once. Each
+    # region is one block's: it does not enclose the others, and what it saves is written.
+    make = _blocks_compiled_in_place
     ref = _train(make, rows=2048)  # about 8 MiB saved: 1 MiB windows
     cfg = tba.Config(spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=1, group_bytes="1MiB")
     with tba.Offloader(cfg) as off:
@@ -180,7 +229,7 @@ def test_blocks_inside_a_compiled_region_warn_once_and_group_by_windows(tmp_path
             got = _train(make, off, rows=2048)
         st = off.stats()  # the last step: its last window stayed in memory
         assert st["kept_groups"] == 1 and st["kept_reasons"].get("group", 0) > 0
-        assert st["bytes_offloaded"] > 0
+        assert st["bytes_offloaded"] > 0 and "compiled" not in st["kept_reasons"]
         with no_tba_warnings(), off.step(got[3]):  # once per model
             loss = got[4]()
         loss.backward()
@@ -205,7 +254,7 @@ COMPILES = {
 
 @pytest.mark.parametrize("compiled", list(COMPILES))
 @pytest.mark.parametrize("policy", ["recompute", "selective", "auto"])
-def test_compiled_model_with_block_actions(tmp_path, policy, compiled):
+def test_compiled_model_with_block_actions(tmp_path, policy, compiled, caplog):
     # recompute wraps each block's forward for the step (NOTE [Block policy] in
     # tba/datapath/blocks/recompute.py). Traced inside a compiled region, the wrapper is the plain
     # forward: the same graphs, no break, no "marked as skipped" under fullgraph, and tba says once
@@ -218,14 +267,21 @@ def test_compiled_model_with_block_actions(tmp_path, policy, compiled):
     steps: list[dict] = []
     with tba.Offloader(cfg) as off, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _train(make, off, stats=steps)
+        with caplog.at_level(logging.WARNING, logger="tba"):
+            got = _train(make, off, stats=steps)
     said = [str(w.message) for w in caught if "tba" in str(w.message) or "tba" in w.filename]
     (first, last), (ref_first, ref_last) = got[2], ref[2]
     assert first == ref_first and first[1] == 0 and last == first == ref_last
     assert _exact(got, ref)
-    assert all(st["bytes_offloaded"] > 0 for st in steps)
     for st in steps:  # each step's stats say what backward recomputed, and no more
         assert st["recomputed_groups"] == len([a for a in st["group_policy"] if a in RECOMPUTED])
+    if compiled.startswith("whole"):  # one region holds the blocks: kept, said once
+        assert not said
+        assert_said_once_about_the_region(caplog, "MLP")
+        assert all(st["bytes_offloaded"] == 0 and st["recomputed_groups"] == 0 for st in steps)
+        assert "torch.compile" in off.stats()["policy_decision"]["reason"]
+        return
+    assert all(st["bytes_offloaded"] > 0 for st in steps)
     if by_block:
         assert not said
         if policy in ("recompute", "selective"):  # a compiled block is recomputed whole
@@ -271,7 +327,8 @@ def test_step_inside_compiled_code(off):
     got = _train(compile_the_step, off=None)
     assert got[2] == ref[2] and _exact(got, ref)
     off.synchronize()  # writes are counted once they land (NOTE [Counted once])
-    assert off.stats()["bytes_offloaded"] > 0
+    st = off.stats()  # the model is compiled whole: kept (NOTE [Enclosing compiled regions])
+    assert st["bytes_offloaded"] == 0 and st["kept_reasons"]["compiled"] > 0
 
     def compile_then_wrap(model):
         return tba.integrations.wrap(torch.compile(model, fullgraph=True), off)

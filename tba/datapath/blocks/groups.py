@@ -25,9 +25,11 @@ the blocks run inside a larger compiled region, or compiled code was built befor
 existed, no block hook fires although tensors were packed: tba groups that model by pack-order
 windows from then on, so that ``keep_last`` still means something, and warns once per model
 when that changes a decision: ``keep_last`` not fixed at 0, or a block action other than the
-keep-last rule (``TBA_POLICY=recompute`` or ``auto``, ``TBA_BLOCK_POLICY``). No block is then
-recomputed (item 6 of NOTE [Block policy]): the step's ``group_policy`` is empty and
-``recomputed_groups`` 0, its tensors are offloaded, and ``auto`` stays ``offload``;
+keep-last rule (``TBA_POLICY=recompute`` or ``auto``, ``TBA_BLOCK_POLICY``), unless the Packer
+has already said that the region holding them keeps its tensors (NOTE [Enclosing compiled
+regions]). No block is then recomputed (item 6 of NOTE [Block policy]): the step's
+``group_policy`` is empty and ``recomputed_groups`` 0, a region that encloses the blocks keeps
+its tensors, what other regions save is offloaded, and ``auto`` stays ``offload``;
 ``TBA_POLICY=keep`` keeps every window. The recompute wrappers of the blocks whose action is
 ``recompute`` are still installed each step, so compiled code built in a step that installed
 them (the first) stays valid; traced, they are the plain forward.
@@ -55,6 +57,7 @@ does lower the peak.
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections import Counter
@@ -66,10 +69,55 @@ import torch.nn as nn
 
 from ...config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from ...decide.simulator import kept_from
-from ...errors import internal_error
+from ...errors import UsageError, internal_error
 from ...records.step import StepState
 from .recompute import USER, Recompute, user_checkpointed
 from .selective import compiled
+
+# NOTE [Enclosing compiled regions]
+# A compiled region hands autograd all its saved tensors when it ends, through the
+# autograd.Function that AOTAutograd builds for it, and its backward unpacks them all when it
+# starts. So when the region encloses the model's blocks (``torch.compile(model)``), every
+# tensor it saves exists at once at the end of the forward and again at the start of backward,
+# written or not: offloading them costs the writes, the reads and the drive's wear, and lowers
+# no peak. The Packer keeps such a tensor (kept reason ``compiled``) and warns once, naming the
+# fix: compile each block (:func:`compile_blocks`), whose regions end one by one, so that what
+# a block saved can be written while the next ones run. What the forward saves after such a
+# region (the loss's inputs) is the head, and stays as the head does under adaptive keep (NOTE
+# [Head under adaptive keep]). A pack is recognised as a region's by the frames that call the
+# hook: ``Function.apply`` of a class from torch._functorch (the runtime of AOTAutograd), and
+# above it the module whose call ran the region: one that holds the model's blocks (or none: a
+# compiled function) encloses them; a block compiled in place (``block.compile()``) or any
+# other module does not, and its tensors are offloaded as usual. The frames are looked at only
+# while a model was given and the forward is outside its blocks, so a block's eager forward never
+# pays for the look.
+_APPLY = torch.autograd.function.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+_CALL = nn.Module._call_impl.__code__
+_UP_TO_APPLY = 10  # frames from the Packer to autograd's call of the hook, with room to spare
+_UP_TO_MODULE = 24  # frames from there to the module call that ran the compiled code
+
+
+def compiled_region() -> tuple[bool, nn.Module | None]:
+    """Whether the pack hook runs for the saves of a torch.compile region, and the module whose
+    call ran it (None: not found, e.g. a compiled function). NOTE [Enclosing compiled regions]."""
+    f = sys._getframe(1)
+    for _ in range(_UP_TO_APPLY):
+        if f is None:
+            return False, None
+        if f.f_code is _APPLY:
+            break
+        f = f.f_back
+    else:
+        return False, None
+    if not getattr(f.f_locals.get("cls"), "__module__", "").startswith("torch._functorch"):
+        return False, None
+    for _ in range(_UP_TO_MODULE):
+        f = f.f_back
+        if f is None:
+            break
+        if f.f_code is _CALL:
+            return True, f.f_locals.get("self")
+    return True, None
 
 
 def _repeated(mod: nn.Module) -> list[nn.Module]:
@@ -92,6 +140,29 @@ def detect_blocks(model: nn.Module) -> list[nn.Module]:
         return best
     children = list(model.children())
     return children if children else [model]
+
+
+def compile_blocks(model: nn.Module, **options: Any) -> nn.Module:
+    """Compile each block of ``model`` (the blocks tba groups by, :func:`detect_blocks`) as a
+    region of its own, ``torch.compile(block, **options)`` put in its place, and leave the
+    model uncompiled: tba then groups, keeps, offloads and recomputes by block as it does
+    eagerly (NOTE [Enclosing compiled regions]). Blocks already compiled stay as they are.
+    Returns ``model``."""
+    blocks = detect_blocks(model)
+    if blocks == [model]:
+        raise UsageError(
+            f"tba.compile_blocks: {type(model).__name__} has no blocks (no ModuleList or "
+            "Sequential of repeated modules, no children) to compile one by one; compile the "
+            "model itself, which tba keeps in memory as one region."
+        )
+    ours = {id(b) for b in blocks}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in ours and not isinstance(
+                child, torch._dynamo.eval_frame.OptimizedModule
+            ):
+                setattr(parent, name, torch.compile(child, **options))
+    return model
 
 
 def one_stack(model: nn.Module, blocks: list[nn.Module]) -> bool:
@@ -122,11 +193,13 @@ def _tensor_bytes(args: Any) -> int:
 class _Attached:
     """The block hooks installed on one model, and how its saved tensors are grouped."""
 
-    __slots__ = ("name", "blocks", "handles", "windows", "one_stack")
+    __slots__ = ("name", "blocks", "handles", "windows", "one_stack", "holds_blocks")
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         self.name = type(model).__name__
         self.blocks = blocks
+        # per module that ran a compiled region: whether it holds blocks (and is not one)
+        self.holds_blocks: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self.one_stack = one_stack(model, blocks)
         self.handles: list[Any] = []
         self.windows = False  # no block hook fires (NOTE [Compiled regions]): pack-order windows
@@ -232,6 +305,8 @@ class GroupTracker:
         self.first_kept: int | None = None  # windows: the first kept window
         self.by_model = False
         self.current: _Attached | None = None  # the model whose block hooks count now
+        self.model: _Attached | None = None  # the model given to this step, by block or not
+        self.after_region = False  # an enclosing compiled region has saved in this step
         self.lost_blocks = False  # this step found its model's blocks in a compiled region
 
     @property
@@ -269,6 +344,7 @@ class GroupTracker:
         step.keep_last = self.keep_last
         self.stat.fwd_start = step.clock()
         rec = self.attach(model) if model is not None else None
+        self.model = rec
         if rec is not None and not rec.windows:
             self.by_model = True
             self.current = rec
@@ -346,12 +422,39 @@ class GroupTracker:
             self.stat = self.step.group(group)
             self.stat.fwd_start = now
 
-    def on_pack(self, nbytes: int) -> bool | str:
-        """Account a pack of ``nbytes``; True when it belongs to a kept group, "recompute" when
-        to a recomputed block (its checkpoint's inputs: kept, NOTE [Block policy]; with
-        recompute_offload, False: offloaded)."""
+    def outside_blocks(self) -> bool:
+        """A model was given to this step and the forward is in none of its blocks: before the
+        first, between two, after the last, or anywhere once its blocks are lost to a compiled
+        region (NOTE [Enclosing compiled regions])."""
+        return self.model is not None and not (self.by_model and self.group % 2)
+
+    def in_enclosing_region(self) -> bool:
+        """Whether this pack is a compiled region's that encloses the step's model's blocks
+        (NOTE [Enclosing compiled regions]); call only while :meth:`outside_blocks`."""
+        found, module = compiled_region()
+        rec = self.model
+        if not found or rec is None:
+            return False
+        if module is not None:
+            holds = rec.holds_blocks.get(module)
+            if holds is None:
+                ours = {id(b) for b in rec.blocks}
+                holds = id(module) not in ours and any(id(m) in ours for m in module.modules())
+                rec.holds_blocks[module] = holds
+            if not holds:
+                return False
+        self.after_region = True
+        return True
+
+    def on_pack(self, nbytes: int, region: bool = False) -> bool | str:
+        """Account a pack of ``nbytes`` (``region``: an enclosing compiled region's); True when
+        it belongs to a kept group, "recompute" when to a recomputed block (its checkpoint's
+        inputs: kept, NOTE [Block policy]; with recompute_offload, False: offloaded)."""
         self.window = window = self.packed // self.group_bytes
         self.packed += nbytes
+        head = self.adaptive and not (self.assignment or self.default_action)
+        if self.after_region and not region and head:
+            return True  # after a region that holds the blocks: the head, kept as by block
         if self.by_model:
             if self.recomputing:
                 return False if self.inputs_offloaded else "recompute"
@@ -378,6 +481,7 @@ class GroupTracker:
         self.step = None
         self.stat = None
         self.current = None
+        self.model = None
 
     def _no_block_ran(self) -> None:
         """Tensors were saved, but no block hook fired (NOTE [Compiled regions])."""
@@ -400,6 +504,8 @@ class GroupTracker:
                 f" {what} cannot act on them: no block is recomputed "
                 f"(stats()['recomputed_groups'] is 0) and their saved tensors are {instead}."
             )
+        if self.step is not None and self.step.kept_reasons["compiled"]:
+            return  # the Packer's warning about the region says it all, and names the fix
         warnings.warn(
             f"tba: none of the {len(rec.blocks)} blocks of {rec.name} ran its module hooks "
             "during this step, though tensors were saved: they ran inside a torch.compile "
