@@ -62,6 +62,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -100,7 +101,7 @@ _UP_TO_MODULE = 24  # frames from there to the module call that ran the compiled
 def compiled_region() -> tuple[bool, nn.Module | None]:
     """Whether the pack hook runs for the saves of a torch.compile region, and the module whose
     call ran it (None: not found, e.g. a compiled function). NOTE [Enclosing compiled regions]."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     for _ in range(_UP_TO_APPLY):
         if f is None:
             return False, None
@@ -109,7 +110,9 @@ def compiled_region() -> tuple[bool, nn.Module | None]:
         f = f.f_back
     else:
         return False, None
-    if not getattr(f.f_locals.get("cls"), "__module__", "").startswith("torch._functorch"):
+    if f is None or not getattr(f.f_locals.get("cls"), "__module__", "").startswith(
+        "torch._functorch"
+    ):
         return False, None
     for _ in range(_UP_TO_MODULE):
         f = f.f_back
