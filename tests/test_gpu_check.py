@@ -1,10 +1,16 @@
-"""The GPU check's summary (benchmarks/gpu/summarize.py): pytest's output read back, whole or
-cut short by the check's time limit."""
+"""The GPU check: what it says before it starts (benchmarks/gpu/check.sh), and its summary
+(benchmarks/gpu/summarize.py): pytest's output read back, whole or cut short by the check's
+time limit."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -127,3 +133,40 @@ def test_the_summary_has_the_relay_benchmark(tmp_path, monkeypatch, capsys):
     assert "  recompute" in text and "1.60" in text and "250.0" in text
     assert "relay, ssd stash: 4: 200.0, 16: 202.0 (max/min - 1 = 1.0%)" in text
     assert json.loads((tmp_path / "check.json").read_text())["relay_bench"]["rounds"] == 10
+
+
+def _check(tmp_path, python, *args):
+    env = {**os.environ, "PYTHON": str(python), "OUT_DIR": str(tmp_path / "out")}
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_a_python_without_torch_is_named_before_anything_runs(tmp_path):
+    bare = tmp_path / "python-without-site"  # this interpreter, without its site-packages
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    bare.chmod(0o755)
+    got = _check(tmp_path, bare)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert f"gpu-check: {bare} (Python" in got.stderr and "has no torch" in got.stderr
+    assert "No module named 'torch'" in got.stderr
+    assert "make gpu-check PYTHON=/path/to/python" in got.stderr
+    assert not (tmp_path / "out").exists()  # no step ran
+
+
+def test_a_missing_interpreter_is_named(tmp_path):
+    got = _check(tmp_path, tmp_path / "nowhere" / "python3")
+    assert got.returncode == 2 and "is not an executable on this machine" in got.stderr
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this machine has a CUDA device"
+)
+def test_torch_without_cuda_is_named(tmp_path):
+    got = _check(tmp_path, sys.executable)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert "but sees no CUDA device" in got.stderr and "PYTHON=" in got.stderr

@@ -24,6 +24,28 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
+# Before anything: the interpreter the check will use, and what it lacks (exit 2, no step run).
+preflight() {
+    local why
+    if ! command -v "$PY" >/dev/null 2>&1; then
+        why="PYTHON=$PY is not an executable on this machine"
+    elif ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        why="$PY ($("$PY" --version 2>&1)) has no torch: $("$PY" -c 'import torch' 2>&1 | tail -1)"
+    elif [ $DRY -eq 0 ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+        why="$PY has torch $("$PY" -c 'import torch; print(torch.__version__)') but sees no CUDA device"
+    else
+        if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
+            echo "gpu-check: $PY has no pytest: the test steps will fail; carry its wheels (docs/gpu.md, Carrying wheels)" >&2
+        fi
+        return 0
+    fi
+    echo "gpu-check: $why." >&2
+    echo "gpu-check: it needs a python with torch built for CUDA (and pytest); point it there:" >&2
+    echo "gpu-check:   make gpu-check PYTHON=/path/to/python   (or PYTHON=... benchmarks/gpu/check.sh)" >&2
+    exit 2
+}
+preflight
+
 OUT_DIR=${OUT_DIR:-gpu-check-out}
 BUDGET_S=${BUDGET_S:-1200}
 mkdir -p "$OUT_DIR"
