@@ -158,11 +158,12 @@ def test_failed_batch_write_keeps_every_member_exact(spill_dir):
             raise OSError(errno.EIO, "injected")
 
         off.backend._pwrite = fail
-        got = run(model, off)
+        # settle: every batch's write is tried (and fails) before backward, which would
+        # otherwise consume members still in staging before a write fails (a busy host)
+        got = run(model, off, settle=True)
         off.synchronize()
         st = off.stats()
     assert same(got, want)
-    # Members that backward already consumed (from staging) and freed count no error.
     assert st["io_errors"] > 0 and st["coalesced_tensors"] > 0
     assert st["disk_bytes_in_use"] == 0
 
