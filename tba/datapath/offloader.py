@@ -44,6 +44,16 @@ from .unpack import Reader
 
 log = logging.getLogger("tba")
 
+# NOTE [Hooks refused]
+# Some code forbids saved-tensor hooks: torch.autograd.graph.disable_saved_tensors_hooks, and the
+# torch.func transforms that differentiate (grad, vjp, jacrev, hessian), which disable them for
+# the function they transform and refuse to start while hooks are installed. A step opened
+# where hooks are disabled runs as without tba (nothing offloaded, said once). A transform
+# started inside a step makes torch raise; the step turns that into a tba.UsageError naming the
+# two ways out. Code that disables hooks inside a step makes torch raise the disabling code's
+# own message when it saves a tensor, before any tba code runs: that one stays torch's.
+_FUNC_REFUSES = "don't yet support saved tensor hooks"
+
 
 class Offloader:
     """Offloads the tensors autograd saves during ``with off.step(): ...`` to local disk.
@@ -136,6 +146,17 @@ class Offloader:
             return
         if self.closed:
             raise UsageError("tba.offloader: step() on a closed Offloader; create a new one.")
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+            # NOTE [Hooks refused]: a region that forbids saved-tensor hooks runs as without tba
+            self.io.warn_once(
+                "hooks-disabled",
+                "tba.offloader: saved-tensor hooks are disabled where this step opens "
+                "(torch.autograd.graph.disable_saved_tensors_hooks, or the function given to a "
+                "torch.func transform such as grad, vjp or jacrev): the step runs without tba "
+                "and offloads nothing. Open the step outside that region to offload it.",
+            )
+            yield self
+            return
         me = threading.get_ident()
         with self.io.lock:
             if self._active_thread is not None:
@@ -169,6 +190,15 @@ class Offloader:
         try:
             with OffloadHooks(self.packer, self.reader, st):
                 yield self
+        except RuntimeError as e:
+            if _FUNC_REFUSES not in str(e) or isinstance(e, UsageError):
+                raise
+            raise UsageError(
+                f"tba.offloader: a torch.func transform ran inside `with off.step():` and "
+                f"refused its saved-tensor hooks ({e}). Open the step inside the function "
+                "given to the transform (it then runs without tba), or run the transform "
+                "outside the step (NOTE [Hooks refused])."
+            ) from e
         finally:
             with self.io.lock:
                 self.index.bury()

@@ -57,7 +57,7 @@ class Packer:
         if unsupported(t):
             return self._unsupported(t, st)
         if is_parameter_like(t, self.param_storages):
-            return Passed(t)  # held by the model anyway; never written, never counted
+            return Passed(t, leaf=True)  # held by the model anyway; never written, never counted
         if self.recompute_weights:
             d = derived(t, self.param_storages)
             if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])

@@ -32,6 +32,9 @@ def unsupported(t: torch.Tensor) -> bool:
         type(t) not in PLAIN_TYPES
         or t.is_nested  # strided, but without sizes or strides of its own
         or t.layout is not torch.strided
+        or t.is_conj()  # a lazy view: its storage holds the base's values, not its own
+        or t.is_neg()
+        or t._is_zerotensor()  # no storage at all
         or not (t.is_cpu or t.is_cuda)
         or t.numel() == 0
         or t.is_quantized

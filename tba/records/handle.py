@@ -146,14 +146,28 @@ class Handle:
 # (an optimizer step, a weight update under no_grad) would give a silently wrong gradient where
 # stock PyTorch raises. Such a tensor is packed as a Passed, which records the version at pack, as
 # autograd's SavedVariable does at the same moment, and raises stock's error at unpack when the
-# tensor's version counter has moved since. It holds the tensor, which something else holds anyway.
+# tensor's version counter has moved since. It holds the tensor, which something else holds anyway
+# (NOTE [No cycle through the graph] for one that is not a leaf).
+
+
+# NOTE [No cycle through the graph]
+# A handle that holds a saved tensor which has a grad_fn (a kept intermediate, or an output its
+# own node saves) would close a cycle: tensor -> grad_fn -> its SavedVariable -> handle ->
+# tensor. Part of it is in C++, where Python's GC cannot see it, so a graph dropped without a
+# backward would never be freed. Autograd itself saves an output without its grad_fn; a handle
+# holds ``t.detach()``, which shares the storage and the version counter (the version check
+# sees every in-place change of ``t``) and has no grad_fn. Unpack returns that alias: autograd
+# gives an unpacked tensor its place in the graph again, as it does for bytes read back.
 class Passed:
     """A saved tensor tba does not move, with its version at pack (NOTE [Passed through])."""
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t
+    def __init__(self, t: torch.Tensor, leaf: bool = False):
+        """``leaf``: a parameter, a view of one or another grad-requiring leaf, held as it is
+        (its views' grad_fn is the view's, no cycle); anything else as NOTE [No cycle through
+        the graph] says."""
+        self.tensor = t if leaf or t.grad_fn is None else t.detach()
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
@@ -185,7 +199,7 @@ class KeptHandle:
     __slots__ = ("tensor", "version", "entry", "key", "stat", "__weakref__")
 
     def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any, stat: Any = None):
-        self.tensor = t
+        self.tensor = t if t.grad_fn is None else t.detach()  # NOTE [No cycle through the graph]
         self.version = t._version
         self.entry = entry
         self.key = key
