@@ -1,11 +1,13 @@
 """Python cost of tba's pack and unpack hooks per saved tensor.
 
-    python benchmarks/bench_hotpath.py [--tensors 2000] [--size 64KiB] [--backends memory,native]
+    python benchmarks/bench_hotpath.py [--tensors 2000] [--size 64KiB] [--backends kept,native]
 
 A chain of ``torch.sin`` calls saves one tensor each. The hooks are timed from the inside (the
 time spent in ``OffloadHooks.pack``/``unpack``), and the whole forward and backward are timed
 against the same chain without tba, interleaved over ``--repeats`` rounds; medians. The capture
-memcpy is part of pack. Issue 4's goal is under 30 us per tensor. Not collected by pytest.
+memcpy is part of pack. ``kept`` is tba with ``TBA_POLICY=keep`` (hooks on, every tensor kept in
+memory: the path of what tba does not move); the backends offload every tensor. Not collected by
+pytest.
 
 The last column is deterministic where the times are not: the objects the cyclic GC tracks that
 a forward of ``--tensors`` packs leaves alive, per pack (GC off while counting). Young collections
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--size", default="64KiB")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="memory,native")
+    ap.add_argument("--backends", default="kept,memory,native")
     ap.add_argument("--spill-dir", default="/var/tmp")
     args = ap.parse_args(argv)
     n, size = args.tensors, parse_size(args.size)
@@ -77,8 +79,14 @@ def main(argv=None) -> int:
     spill = tempfile.mkdtemp(prefix="tba-bench-", dir=args.spill_dir)
     try:
         for name in args.backends.split(","):
+            kept = name == "kept"
             cfg = tba.Config(
-                spill_dir=spill, backend=name, min_offload_bytes=1, keep_last=0, environ={}
+                spill_dir=spill,
+                backend="memory" if kept else name,
+                policy="keep" if kept else "offload",
+                min_offload_bytes=1,
+                keep_last=0,
+                environ={},
             )
             with tba.Offloader(cfg) as off:
                 chain(off)  # warm-up: slabs, staging, first writes

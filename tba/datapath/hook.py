@@ -2,8 +2,9 @@
 
 It holds no logic: pack goes to the Packer (tba/datapath/pack.py), unpack to the Reader
 (tba/datapath/unpack.py). One instance per step, so every tensor is credited to the step that saved
-it. Both are ``torch.compiler.disable``d: autograd calls them while compiled code runs, and dynamo
-must not compile tba's own code (NOTE [Compiled regions] in tba/datapath/blocks/groups.py).
+it. Both are marked eager-only (:func:`eager_only`): autograd calls them while compiled code runs,
+and dynamo must not compile tba's own code (NOTE [Compiled regions] in
+tba/datapath/blocks/groups.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ COMPILED_STEP = (
     "`off.step()`; with tba.integrations.wrap (or a framework integration), compile first and "
     "wrap the compiled module: `tba.integrations.wrap(torch.compile(model, fullgraph=True))`."
 )
+
+
+def eager_only(fn: Any) -> Any:
+    """``fn``, which dynamo never compiles, nor anything it calls.
+
+    ``torch.compiler.disable`` would do the same through a wrapper that switches dynamo's frame
+    callback off and on again at every call, about a microsecond, twice per saved tensor. Marking
+    the code object to be skipped, with everything it calls, costs nothing per call. Where this
+    torch has no such mark, the wrapper it is.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import (  # type: ignore[attr-defined]
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+    except ImportError:  # pragma: no cover - torch releases without frame strategies
+        return torch.compiler.disable(fn)
+    skip = _FrameAction.SKIP
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(skip, skip))
+    return fn
 
 
 class EagerScope:
@@ -65,7 +87,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     # in tba/decide/block_policy.py): the seconds a block spends in tba rather than in its own
     # compute.
 
-    @torch.compiler.disable
+    @eager_only
     def pack(self, t: torch.Tensor) -> Any:
         st = self.st
         t0, stalled = st.clock(), st.stall_seconds
@@ -77,25 +99,28 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             gs.pack_stall_seconds += waited
         return got
 
-    @torch.compiler.disable
+    @eager_only
     def unpack(self, packed: Any) -> torch.Tensor:
-        if type(packed) is Handle:  # the only kind whose unpack can wait on a read
+        tp = type(packed)
+        if tp is KeptHandle:  # in memory all along: its version, and its group's backward time
+            stat = packed.stat
+            if stat is None:
+                return packed.unpack()
+            t0 = self.st.clock()
+            stat.unpacked(t0)
+            out = packed.unpack()
+            stat.unpack_seconds += self.st.clock() - t0
+            return out
+        if tp is Passed:  # NOTE [Passed through]
+            return packed.unpack()
+        if tp is Handle:  # the only kind whose unpack can wait on a read
             st = packed.entry.step
             t0, stalled = st.clock(), st.stall_seconds
             out = self.reader.unpack(packed)
             packed.stat.unpack_seconds += st.clock() - t0 - (st.stall_seconds - stalled)
             return out
-        if type(packed) is Passed:  # NOTE [Passed through]
-            return packed.unpack()
-        if isinstance(packed, KeptHandle):
-            clock = self.st.clock
-            t0 = clock()
-            out = self.reader.unpack(packed)
-            if packed.stat is not None:
-                packed.stat.unpack_seconds += clock() - t0
-            return out
-        if isinstance(packed, Derived):
-            return self.reader.unpack(packed)
-        if isinstance(packed, DTensorHandle):  # NOTE [DTensor]
+        if tp is Derived:
+            return packed.rebuild()  # NOTE [Weight-derived tensors]
+        if tp is DTensorHandle:  # NOTE [DTensor]
             return packed.rebuild(self.unpack(packed.inner))
         return packed  # excluded at pack time: the tensor itself

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,11 +119,16 @@ class Offloader:
             cadence=Cadence(clock),
         )
         self.groups.recompute = Recompute(
-            self.packer.count_hidden, self._recomputing, self.packer.hold_cached
+            self.packer.count_hidden,
+            self._recomputing,
+            self.packer.hold_cached,
+            seen=self.packer.count_seen,
+            measure_cacheable=self.packer.measure_cacheable,
         )
         self.groups.default_action = self.policy.default_action()
         self.groups.policy = config.policy
         self._logged_policy: list[str] | None = None
+        self._storages = ModelStorages()
         self._trace: TraceWriter | None = None
         if config.trace:
             meta = {"pid": os.getpid(), "rank": config.rank, "backend": backend.name}
@@ -176,7 +182,7 @@ class Offloader:
             self._current = st
             self.metrics.track(st)
             if model is not None:
-                self.packer.param_storages = _model_storages(model)
+                self.packer.param_storages = self._storages.of(model)
             elif (
                 self.config.policy in ("recompute", "selective", "auto") or self.config.block_policy
             ):
@@ -409,7 +415,60 @@ class Offloader:
             st.peak_resident_bytes = resident
 
 
-def _model_storages(model: nn.Module) -> frozenset[int]:
-    """The storages of the model's parameters and buffers (of their shards: NOTE [DTensor])."""
-    tensors = (plain(p) for p in (*model.parameters(), *model.buffers()))
-    return frozenset(p.untyped_storage()._cdata for p in tensors if p.layout is torch.strided)
+# NOTE [Model storages]
+# Each step needs the storages of its model's parameters and buffers (a saved tensor on one of
+# them is passed through, never written). Walking the module tree for them costs about as much as
+# a few hundred saved tensors' hooks, so the set is kept per model and checked each step against
+# what can change it: a parameter, buffer or module registered anywhere (torch's global
+# registration hooks bump a counter), a tensor whose storage was replaced (``model.to()``,
+# ``p.data = ...``: each tensor's storage is compared), and a module whose parameter, buffer or
+# child dictionaries changed size behind ``setattr`` (their sizes are compared). Modules are held
+# weakly (the record must not keep its model alive), tensors strongly (a parameter does not hold
+# its module).
+_registrations = [0]
+
+
+def _registered(*args: Any) -> None:
+    _registrations[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_registered)
+nn.modules.module.register_module_buffer_registration_hook(_registered)
+nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+class ModelStorages:
+    """The storages of a model's parameters and buffers (of their shards: NOTE [DTensor]), found
+    once and checked at every step (NOTE [Model storages])."""
+
+    def __init__(self) -> None:
+        self._known: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+    def of(self, model: nn.Module) -> frozenset[int]:
+        got = self._known.get(model)
+        if got is not None:
+            count, modules, sizes, tensors, cdatas, found = got
+            if (
+                count == _registrations[0]
+                and sizes is not None
+                and sizes == _sizes(modules)
+                and cdatas == tuple(t.untyped_storage()._cdata for t in tensors)
+            ):
+                return found
+        modules = [weakref.ref(m) for m in model.modules()]
+        tensors = [plain(p) for p in (*model.parameters(), *model.buffers())]
+        tensors = [t for t in tensors if t.layout is torch.strided]
+        cdatas = tuple(t.untyped_storage()._cdata for t in tensors)
+        found = frozenset(cdatas)
+        self._known[model] = (_registrations[0], modules, _sizes(modules), tensors, cdatas, found)
+        return found
+
+
+def _sizes(modules: list[weakref.ref[nn.Module]]) -> tuple[int, ...] | None:
+    out = []
+    for ref in modules:
+        m = ref()
+        if m is None:
+            return None
+        out.append(len(m._parameters) + len(m._buffers) + len(m._modules))
+    return tuple(out)

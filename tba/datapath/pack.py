@@ -33,6 +33,32 @@ from .capture.staging import DirectBlock, StagingPool
 from .io import IO
 from .write import Writer
 
+# NOTE [Hot path]
+# Autograd calls pack for every tensor it saves, on the training thread, and on a GPU whatever
+# the hook does in Python is taken from the launch queue. What a tensor that is not moved (kept:
+# small, in a kept or recomputed block, under TBA_POLICY=keep) costs, in order:
+# 1. the hook itself is a plain function: dynamo is told to skip its code and all it calls
+#    (tba/datapath/hook.py, ``eager_only``), with no wrapper per call;
+# 2. ``unsupported`` (attribute reads only), then parameters and their views, then the model's
+#    weight and buffer storages (a frozenset found once per model, NOTE [Model storages] in
+#    tba/datapath/offloader.py): those are passed through with their version (a Passed);
+# 3. a weight cast is recognised from its grad_fn alone (no walk unless the node is a cast);
+# 4. under the I/O lock (uncontended unless a write or read completes at the same moment): the
+#    dedup lookup, the once-per-storage count in saved_bytes, the layout, the group's decision
+#    and its counters. The walk through the grad_fn chain for what selective would keep
+#    (``kept_by_selective``) runs only where a chooser weighs it (TBA_POLICY=auto or
+#    selective, or TBA_BLOCK_POLICY);
+# 5. the KeptHandle. Unpack checks its version and times its group's backward (two clock
+#    readings), without going through the Reader.
+# The objects a kept tensor leaves alive for the cyclic GC to track, and what each is for: the
+# KeptHandle (what autograd holds; its __del__ returns the storage's charge, NOTE [Deferred
+# release]); the weak reference in the dedup index (a repeated save of the view finds it); the
+# key tuple and its torch.Size (the dedup key, shared with the handle); the alias without
+# grad_fn that the handle holds (NOTE [No cycle through the graph]); the step's StorageRef
+# (once per storage, until the forward ends: NOTE [Storage identity] in tba/records/index.py);
+# a KeptEntry per kept storage. An offloaded tensor adds its Entry, the witness of its version
+# (NOTE [Version witness]) and what its capture and write take.
+
 
 class Packer:
     """Packs saved tensors of the current step (see the module docstring)."""
@@ -45,6 +71,9 @@ class Packer:
         cfg = io.config
         self.coalesce_bytes = cfg.coalesce_bytes
         self.recompute_weights = cfg.recompute_weights
+        # what selective would keep of each block: weighed by the chooser (auto), and compared
+        # with what it kept where blocks run selective
+        self.measure_cacheable = cfg.policy in ("auto", "selective") or bool(cfg.block_policy)
         self.writer = Writer(io, index, groups, cfg)
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
         self._seq = 0
@@ -53,21 +82,27 @@ class Packer:
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
         """What autograd stores for ``t``: a handle, a kept handle, a recipe, or ``t`` itself
-        with its version (NOTE [Passed through])."""
+        with its version (NOTE [Passed through]). NOTE [Hot path] says what each step costs."""
         if unsupported(t):
             return self._unsupported(t, st)
-        if is_parameter_like(t, self.param_storages):
+        base = t._base
+        if (t.requires_grad and t.is_leaf) or (
+            base is not None and base.requires_grad and base.is_leaf
+        ):
             return Passed(t, leaf=True)  # held by the model anyway; never written, never counted
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        if cdata in self.param_storages:  # a frozen weight or a buffer of the model, or a view
+            return Passed(t, leaf=True)
         if self.recompute_weights:
             d = derived(t, self.param_storages)
             if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
-                storage = t.untyped_storage()
                 with self.io.lock:
                     st.packs += 1
-                    st.recomputed(storage, storage._cdata, d.nbytes)
+                    st.recomputed(storage, cdata, d.nbytes)
                 return d
-        storage = t.untyped_storage()
-        key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        stride = t.stride()
+        key = (cdata, t.storage_offset(), t.shape, stride, t.dtype, t._version)
         index = self.index
         with self.io.lock:
             index.bury()
@@ -76,26 +111,26 @@ class Packer:
             if h is not None:  # the same view saved again: no new bytes, one more use
                 st.dedup_hits += 1
                 h.stat = self.groups.stat  # the last saver's backward unpacks it first
-                if isinstance(h, Handle):
+                if type(h) is Handle:
                     h.packs += 1
                     h.entry.saved(self._next_seq())
                 return h
             snbytes = storage.nbytes()
             seen = st.saved_bytes
-            sref = st.see(storage, key[0], snbytes)
-            whole, nbytes, stride, offset = layout(t, snbytes, key[3])
+            sref = st.see(storage, cdata, snbytes)
+            whole, nbytes, stride, offset = layout(t, snbytes, stride)
             groups = self.groups
             compiled = groups.outside_blocks() and groups.in_enclosing_region()
             reason = self.policy.keep_reason(nbytes, groups.on_pack(nbytes, compiled))
             if compiled and reason is None:
                 reason = "compiled"  # NOTE [Enclosing compiled regions]
                 self._warn_compiled()
-            gs = self.groups.stat
+            gs = groups.stat
             new = st.saved_bytes - seen  # a storage first seen now: its bytes, else 0
             if new:
                 gs.saved_bytes += new
                 gs.sizes.append(new)  # NOTE [Measured layout] in tba/decide/simulator/rules.py
-                if kept_by_selective(t):  # NOTE [Selective recompute]
+                if self.measure_cacheable and kept_by_selective(t):  # NOTE [Selective recompute]
                     gs.cacheable_bytes += new
             gs.tensors += 1
             gs.packed_bytes += nbytes
@@ -108,7 +143,7 @@ class Packer:
             if reason == "group":
                 gs.keepable_bytes += nbytes
             st.keep(reason)
-            h = KeptHandle(t, index.kept_entry(key[0], snbytes), key, gs)
+            h = KeptHandle(t, index.kept_entry(cdata, snbytes), key, gs)
             index.add_handle(h)
             return h
 
@@ -162,6 +197,15 @@ class Packer:
             before = st.saved_bytes
             st.see(storage, cdata, storage.nbytes())
             return st.saved_bytes - before
+
+    def count_seen(self, st: StepState, tensors: list[torch.Tensor]) -> None:
+        """Mark storages as counted in ``saved_bytes`` without adding their bytes: a recomputed
+        block saved them itself, in the bytes credited to it (item 5 of NOTE [Block policy])."""
+        with self.io.lock:
+            for t in tensors:
+                if not unsupported(t):
+                    storage = t.untyped_storage()
+                    st.see(storage, storage._cdata, 0)
 
     def hold_cached(self, st: StepState, gs: Any, tensors: list[torch.Tensor]) -> list[Any]:
         """Charge the outputs a selective block keeps until its recompute (NOTE [Selective

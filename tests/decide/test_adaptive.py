@@ -674,7 +674,9 @@ def test_adaptive_keep_keeps_the_head_at_every_k(make_offloader, tmp_path):
         assert head["kept"] and head["offloaded_bytes"] == 0, (st["step"], head)
     fixed = _head_trace(make_offloader, tmp_path / "fixed.jsonl", keep_last=0)
     for head, _ in fixed.values():
-        assert not head["kept"] and head["offloaded_bytes"] > 0
+        # offloaded: nothing of it kept (whether its write ran before backward took the bytes
+        # back from staging depends on the I/O thread's timing, so offloaded_bytes may be 0)
+        assert not head["kept"] and head["tensors"] > 0 and head["kept_bytes"] == 0
 
 
 def test_adaptive_keeps_simulation_keeps_the_head_at_k0():

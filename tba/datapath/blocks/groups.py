@@ -48,11 +48,13 @@ from TBA_POLICY or TBA_BLOCK_POLICY), the head is kept at every K, K=0 included,
 simulation (``kept_from``) says the same. That writes markedly less each step for a slightly
 higher peak (the final norm's and LM head's inputs, resident until the turn rather than written;
 BENCHMARKS.md, "Defaults on a real model"). An explicit TBA_KEEP_LAST=0 still offloads the head:
-it asks for everything that can be written. Without blocks (pack-order windows) there is no
-head to tell apart, and neither is there when the model has a second stack of repeated modules
-(``one_stack``): in T5 or BART the blocks found are the encoder's, and what runs after the last
-of them is the whole decoder, whose tensors backward consumes layer by layer and whose offload
-does lower the peak.
+it asks for everything that can be written. When every block is recomputed (TBA_POLICY=recompute
+or selective) the head is kept too: the step's peak is at the turn, where the head and every
+block's checkpointed inputs are resident, written or not. Without blocks (pack-order windows)
+there is no head to tell apart, and neither is there when the model has a second stack of
+repeated modules (``one_stack``): in T5 or BART the blocks found are the encoder's, and what
+runs after the last of them is the whole decoder, whose tensors backward consumes layer by layer
+and whose offload does lower the peak.
 """
 
 from __future__ import annotations
@@ -270,15 +272,13 @@ class GroupTracker:
     @property
     def head_kept(self) -> bool:
         """Whether the head (what the forward packs after its last block) stays resident
-        whatever the last block's action: under adaptive keep, while the keep-last rule decides
-        (NOTE [Head under adaptive keep])."""
-        return (
-            self.adaptive
-            and self.n_blocks > 0  # by block: pack-order windows have no head
-            and self.one_stack
-            and self.assignment is None
-            and self.default_action is None
-        )
+        whatever the last block's action: under adaptive keep, while the keep-last rule decides,
+        and when every block is recomputed (NOTE [Head under adaptive keep])."""
+        if not (self.n_blocks > 0 and self.one_stack and self.assignment is None):
+            return False  # pack-order windows have no head; the chooser's plan decides it
+        if self.default_action is None:
+            return self.adaptive
+        return self.default_action in RECOMPUTED
 
     def max_keep(self, groups: int) -> int:
         return self.n_blocks or groups

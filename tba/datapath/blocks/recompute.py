@@ -40,7 +40,12 @@ How recompute is done, and why it is exact:
 5. While the checkpointed forward runs, a hook chained over checkpoint's own (pack: count,
    then checkpoint's pack; unpack: checkpoint's) counts what the block saves, once per storage
    per step and parameters excluded, into ``saved_bytes`` (what stays resident without tba)
-   and the group's ``hidden_bytes``: what the recompute brings back in backward.
+   and the group's ``hidden_bytes``: what the recompute brings back in backward. It runs once
+   per block and signature (its inputs' shapes, dtypes and devices, its other arguments, its
+   training flag and autocast's state): a later step of the same signature saves the same
+   tensors, and is credited the bytes measured then (the outputs the block saved itself are
+   marked as counted, so that the next block's checkpoint does not count them again). A
+   selective block chains it every step: selective sees what each op saves.
 6. While dynamo traces the wrapper (the block runs inside a compiled region: a whole-model
    ``torch.compile``, or ``block.compile()`` in place), it calls the plain forward at once and
    reads nothing of tba, so the graphs are those of the model without tba (with
@@ -55,11 +60,13 @@ How recompute is done, and why it is exact:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ...config import SELECTIVE
@@ -97,8 +104,9 @@ class Recompute:
     """Installs and removes the recompute wrappers of a step's blocks (see the NOTE).
 
     ``count(t, step)`` counts a tensor the checkpointed forward saves into ``step`` and returns
-    the bytes it added (0 for parameters and storages already counted); ``recomputing(step,
-    stat)`` is told when backward recomputes the block of ``stat``.
+    the bytes it added (0 for parameters and storages already counted); ``seen(step, tensors)``
+    marks storages counted without adding bytes; ``recomputing(step, stat)`` is told when
+    backward recomputes the block of ``stat``.
     """
 
     def __init__(
@@ -106,11 +114,20 @@ class Recompute:
         count: Callable[[torch.Tensor, StepState], int],
         recomputing: Callable[[StepState, GroupStat], None],
         hold: Callable[[StepState, GroupStat, list[torch.Tensor]], list[Any]] | None = None,
+        seen: Callable[[StepState, list[torch.Tensor]], None] | None = None,
+        measure_cacheable: bool = False,
     ):
         self.count = count
         self.recomputing = recomputing
         # charges the tensors a selective block keeps; returns what holds the charge
         self.hold = hold or (lambda step, stat, ts: [])
+        # marks tensors' storages as counted in a step's saved_bytes, without adding bytes
+        self.seen = seen or (lambda step, ts: None)
+        self.measure_cacheable = measure_cacheable  # only the chooser (auto) weighs it
+        # block -> signature -> what its checkpointed forward saved (item 5 of the NOTE)
+        self.measured: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Saved]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def install(
         self, block: nn.Module, where: Callable[[], tuple[Any, Any]], action: str = "recompute"
@@ -147,10 +164,11 @@ class Recompute:
                         return inner(*a, **kw)
                     finally:  # checkpoint may stop it early, by raising: timed all the same
                         stat.recompute_seconds += step.clock() - t0
-                out = owner._counted(inner, step, stat, a, kw, sel)
                 if sel is not None:
+                    out = owner._counted(inner, step, stat, a, kw, sel)
                     sel.settle()
-                return out
+                    return out
+                return owner._once(block, inner, step, stat, a, kw)
 
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
@@ -166,21 +184,94 @@ class Recompute:
 
         return remove
 
-    def _counted(self, fn, step: StepState, stat: GroupStat, args, kwargs, sel=None) -> Any:
+    def _once(self, block: nn.Module, fn, step: StepState, stat: GroupStat, args, kwargs) -> Any:
+        """Run the checkpointed forward; count what it saves the first time its block runs with
+        this signature, else credit what was counted then (item 5 of the NOTE)."""
+        by_sig = self.measured.get(block)
+        if by_sig is None:
+            by_sig = self.measured[block] = {}
+        sig = _signature(block, args, kwargs)
+        known = by_sig.get(sig)
+        if known is None:
+            added: set[int] = set()
+            before = stat.hidden_bytes, stat.cacheable_bytes
+            out = self._counted(fn, step, stat, args, kwargs, added=added)
+            leaves = _tensor_leaves(out)
+            mine = tuple(i for i, t in enumerate(leaves) if _cdata(t) in added)
+            hidden, cacheable = stat.hidden_bytes - before[0], stat.cacheable_bytes - before[1]
+            by_sig[sig] = _Saved(hidden, cacheable, mine)
+            return out
+        out = fn(*args, **kwargs)
+        stat.hidden_bytes += known.hidden
+        stat.cacheable_bytes += known.cacheable
+        step.saved_bytes += known.hidden
+        if known.outputs:
+            leaves = _tensor_leaves(out)
+            self.seen(step, [leaves[i] for i in known.outputs if i < len(leaves)])
+        return out
+
+    def _counted(self, fn, step, stat, args, kwargs, sel=None, added=None) -> Any:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None:  # pragma: no cover - checkpoint always pushes its hook
             return fn(*args, **kwargs)
         pack, unpack = top
         count = self.count
+        cacheable = self.measure_cacheable
 
         def counting(t: torch.Tensor) -> Any:
-            added = count(t, step)
-            stat.hidden_bytes += added
-            if added and kept_by_selective(t):  # what selective would keep of it
-                stat.cacheable_bytes += added
+            n = count(t, step)
+            if n:
+                stat.hidden_bytes += n
+                if added is not None:
+                    added.add(t.untyped_storage()._cdata)
+                if cacheable and kept_by_selective(t):  # what selective would keep of it
+                    stat.cacheable_bytes += n
             if sel is not None:
                 sel.saw(t)
             return pack(t)
 
         with torch.autograd.graph.saved_tensors_hooks(counting, unpack):
             return fn(*args, **kwargs)
+
+
+class _Saved:
+    """What one block's checkpointed forward saved, for one signature (item 5 of the NOTE)."""
+
+    __slots__ = ("hidden", "cacheable", "outputs")
+
+    def __init__(self, hidden: int, cacheable: int, outputs: tuple[int, ...]):
+        self.hidden = hidden  # bytes counted in saved_bytes and hidden_bytes
+        self.cacheable = cacheable
+        self.outputs = outputs  # the tensor outputs (by position) among what it saved
+
+
+def _cdata(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata if t.layout is torch.strided else 0
+
+
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What decides which tensors a block's forward saves, and how large (item 5 of the NOTE):
+    its tensor arguments' shapes, dtypes and devices, its other arguments (by value when a
+    plain scalar, else by type), its training flag and autocast's state."""
+
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (v.shape, v.dtype, v.device, v.requires_grad, v.layout)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (tuple, list)):
+            return tuple(one(x) for x in v)
+        if isinstance(v, dict):
+            return tuple((k, one(x)) for k, x in v.items())
+        return type(v)
+
+    cast = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return (one(args), one(kwargs), block.training, cast)
