@@ -3,6 +3,8 @@ tba's pack hook, the wrapper's lifetime, the user's own checkpointing, and the c
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -223,23 +225,56 @@ def test_hooks_time_themselves_per_group(make_offloader):
         assert r["unpack_seconds"] >= 0
 
 
-def test_packs_waiting_for_staging_are_not_the_blocks_compute(make_offloader):
+def test_packs_waiting_for_staging_are_not_the_blocks_compute(make_offloader, monkeypatch):
     """A pack that waits for a full staging (NOTE [Staging backpressure]) stalls; its group's
     record says so in ``pack_stall_seconds`` and leaves it out of ``fwd_seconds``, which the
     chooser and adaptive keep read as compute. Counted in, W1's first auto step at 20 MB/s
-    made each block's forward look 9 s long and every recompute dear."""
+    made each block's forward look 9 s long and every recompute dear. Writes are held until a
+    pack waits, so that one does, however fast or slow this host runs."""
+    from concurrent.futures import Future
+
+    from tba.datapath.capture.staging import StagingPool
+
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq=256, hidden=128, heads=4, layers=3)
     model = GPT(cfg)
-    off = make_offloader(
-        keep_last=0, staging_bytes="4MiB", staging_full="wait", max_write_bps="50MB/s"
-    )
+    off = make_offloader(keep_last=0, staging_bytes="4MiB", staging_full="wait")
+    waiting = threading.Event()
+    real_wait = StagingPool.wait_for
+
+    def wait_for(self, *args, **kwargs):
+        waiting.set()
+        return real_wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(StagingPool, "wait_for", wait_for)
+    backend = off.io.backend
+    real_write = backend.write
+
+    def held_write(*args, **kwargs):
+        outer: Future = Future()
+
+        def later():
+            waiting.wait(60)
+            inner = real_write(*args, **kwargs)
+            inner.add_done_callback(
+                lambda f: (
+                    outer.set_exception(f.exception())
+                    if f.exception() is not None
+                    else outer.set_result(f.result())
+                )
+            )
+
+        threading.Thread(target=later, daemon=True).start()
+        return outer
+
+    monkeypatch.setattr(backend, "write", held_write)
     with off.step(model):
         loss = model(*random_batch(cfg, 4, seed=0))
     loss.backward()
     st, recs = off.stats(), off._last.group_records()
     waited = [r["pack_stall_seconds"] for r in recs]
-    assert st["pack_stall_seconds"] > 0.1 and "staging_full" not in st["kept_reasons"]
+    assert waiting.is_set()
+    assert st["pack_stall_seconds"] > 0 and "staging_full" not in st["kept_reasons"]
     assert sum(waited) == pytest.approx(st["pack_stall_seconds"])  # every pack is in a group
     assert sum(waited[1::2]) > 0  # the blocks' own packs waited
     for r in recs:

@@ -85,6 +85,7 @@ def test_under_the_offloader_gradients_are_unchanged_and_dedup_sees_shared_outpu
         with off.step(model):
             loss = model(input_ids=ids(), labels=ids()).loss
         loss.backward()
+        off.synchronize()  # every write has landed: counted (NOTE [Counted once])
         stats = off.stats()
     assert stats["tensors_offloaded"] > 0 and stats["bytes_offloaded"] == stats["saved_bytes"]
     assert torch.equal(loss.detach(), loss0)

@@ -320,6 +320,7 @@ CHILD = textwrap.dedent(
         with off.step(model):
             loss = model(x, y)
         loss.backward()
+        off.synchronize()  # the step's writes have landed: its counts are final
         st = off.stats()
         for k in ("bytes_offloaded", "forwarded"):
             out[k] += st[k]
