@@ -11,11 +11,13 @@ Models (``tba.testing.GPT``, pre-LN causal blocks, fp32):
 - ``w1``: W1 (6 blocks, hidden 512, 8 heads, sequence 512, micro-batch 8).
 
 Modes, one step of each in turn per round (interleaved: this machine's speed drifts over
-minutes), medians of the rounds: ``none``; ``checkpoint`` (``torch.utils.checkpoint``,
-non-reentrant, per block); tba with ``TBA_POLICY=keep`` (hooks on, nothing moved), the default
-(offload, adaptive keep-last), ``recompute`` and ``auto``. The table gives each mode's median
-step, its ratio to ``none``, the ratio of tba's recompute to ``checkpoint``, and the saved bytes
-each tba mode wrote per step. CPU runs use one intra-op thread.
+minutes), medians of the rounds: ``none``; ``hooks`` (``saved_tensors_hooks`` whose pack and
+unpack return their argument: what any Python hook pays per saved tensor, the floor under tba's
+modes); ``checkpoint`` (``torch.utils.checkpoint``, non-reentrant, per block); tba with
+``TBA_POLICY=keep`` (hooks on, nothing moved), the default (offload, adaptive keep-last),
+``recompute`` and ``auto``. The table gives each mode's median step, its ratio to ``none``, the
+ratio of tba's recompute to ``checkpoint``, and the saved bytes each tba mode wrote per step.
+CPU runs use one intra-op thread.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ MODELS = {
     "launch512": (GPTConfig(vocab=256, seq=64, hidden=512, heads=4, layers=16), 1),
     "w1": (W1, W1_MICRO_BATCH),
 }
-MODES = ("none", "checkpoint", "keep", "default", "recompute", "auto")
+MODES = ("none", "hooks", "checkpoint", "keep", "default", "recompute", "auto")
+
+
+def _same(t):
+    return t
 
 
 def step(model, batch, mode: str, off, sync) -> tuple[float, int]:
@@ -50,7 +56,10 @@ def step(model, batch, mode: str, off, sync) -> tuple[float, int]:
     model.checkpoint_blocks = mode == "checkpoint"
     sync()
     t0 = time.perf_counter()
-    if off is None:
+    if mode == "hooks":
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            loss = model(*batch)
+    elif off is None:
         loss = model(*batch)
     else:
         with off.step(model):
@@ -65,7 +74,7 @@ def step(model, batch, mode: str, off, sync) -> tuple[float, int]:
 
 
 def offloader(mode: str, spill: str) -> tba.Offloader | None:
-    if mode in ("none", "checkpoint"):
+    if mode in ("none", "hooks", "checkpoint"):
         return None
     policy = {"default": "offload"}.get(mode, mode)
     return tba.Offloader(tba.Config(spill_dir=spill, policy=policy, environ={}))

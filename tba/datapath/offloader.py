@@ -421,10 +421,10 @@ class Offloader:
 # a few hundred saved tensors' hooks, so the set is kept per model and checked each step against
 # what can change it: a parameter, buffer or module registered anywhere (torch's global
 # registration hooks bump a counter), a tensor whose storage was replaced (``model.to()``,
-# ``p.data = ...``: each tensor's storage is compared), and a module whose parameter, buffer or
-# child dictionaries changed size behind ``setattr`` (their sizes are compared). Modules are held
-# weakly (the record must not keep its model alive), tensors strongly (a parameter does not hold
-# its module).
+# ``p.data = ...``: each tensor's storage is compared). A parameter written into a module's
+# ``_parameters`` dictionary directly, behind ``setattr``, is seen at the next registration
+# anywhere; until then a saved tensor on it is treated as an activation. The record holds the
+# tensors (a parameter does not hold its module), not the model.
 _registrations = [0]
 
 
@@ -447,28 +447,14 @@ class ModelStorages:
     def of(self, model: nn.Module) -> frozenset[int]:
         got = self._known.get(model)
         if got is not None:
-            count, modules, sizes, tensors, cdatas, found = got
-            if (
-                count == _registrations[0]
-                and sizes is not None
-                and sizes == _sizes(modules)
-                and cdatas == tuple(t.untyped_storage()._cdata for t in tensors)
-            ):
+            count, tensors, cdatas, found = got
+            if count == _registrations[0] and cdatas == [
+                t.untyped_storage()._cdata for t in tensors
+            ]:
                 return found
-        modules = [weakref.ref(m) for m in model.modules()]
         tensors = [plain(p) for p in (*model.parameters(), *model.buffers())]
         tensors = [t for t in tensors if t.layout is torch.strided]
-        cdatas = tuple(t.untyped_storage()._cdata for t in tensors)
+        cdatas = [t.untyped_storage()._cdata for t in tensors]
         found = frozenset(cdatas)
-        self._known[model] = (_registrations[0], modules, _sizes(modules), tensors, cdatas, found)
+        self._known[model] = (_registrations[0], tensors, cdatas, found)
         return found
-
-
-def _sizes(modules: list[weakref.ref[nn.Module]]) -> tuple[int, ...] | None:
-    out = []
-    for ref in modules:
-        m = ref()
-        if m is None:
-            return None
-        out.append(len(m._parameters) + len(m._buffers) + len(m._modules))
-    return tuple(out)

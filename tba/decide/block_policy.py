@@ -222,8 +222,10 @@ class PolicyController:
         w = write_bps or self.bandwidth[0]
         r = read_bps or self.bandwidth[1]
         self.bandwidth = (w, r)
+        if self.policy != "auto":
+            return  # a fixed policy: nothing to choose, so nothing to measure per block
         groups, fixed = self._costs(records)
-        if self.policy != "auto" or not any(g.block for g in groups) or not w or not r:
+        if not any(g.block for g in groups) or not w or not r:
             return  # without a model's blocks (pack-order windows), auto is offload
         limit = budget(sum(g.nbytes for g in groups))
         ran = [x["action"] for x in records if x["action"]]

@@ -118,8 +118,8 @@ def test_recompute_keeps_the_head(make_offloader):
 
 def test_model_storages_follow_the_model(make_offloader):
     """The storages of a model's weights are found once and checked each step (NOTE [Model
-    storages]): a frozen weight replaced through ``.data``, a new frozen parameter, a new
-    buffer, a removed module: each step counts what a fresh Offloader counts."""
+    storages]): after a frozen weight is replaced through ``.data``, or by a new frozen
+    parameter, each step counts what a fresh Offloader counts."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -149,10 +149,6 @@ def test_model_storages_follow_the_model(make_offloader):
     w.data = torch.randn(32, 32)  # a new storage behind the same Parameter
     assert saved(off) == saved(make_offloader())
     net.layers[1].weight = nn.Parameter(torch.randn(32, 32), requires_grad=False)
-    assert saved(off) == saved(make_offloader())
-    net.layers[1]._parameters["bias"] = nn.Parameter(torch.zeros(32), requires_grad=False)
-    assert saved(off) == saved(make_offloader())
-    del net.layers[2]
     assert saved(off) == saved(make_offloader())
 
 
