@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads on the CPU")
-    ap.add_argument("--spill-dir", default="/var/tmp")
+    ap.add_argument("--spill-dir", default=os.environ.get("TBA_SPILL_DIR") or "/var/tmp")
     args = ap.parse_args(argv)
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES] + [

@@ -135,6 +135,23 @@ def test_the_summary_has_the_relay_benchmark(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "check.json").read_text())["relay_bench"]["rounds"] == 10
 
 
+def test_the_summary_has_the_overhead_tables(tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "overhead", "rc": 0, "seconds": 90, "timed_out": false}\n'
+    )
+    table = "launch: 16 blocks\nmode  step ms  vs none\nnone  10.00  1.000\n\nkeep  11.00  1.100\n"
+    (tmp_path / "overhead.txt").write_text(table)
+    monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "90"])
+    assert summarize.main() == 0
+    text = (tmp_path / "summary.txt").read_text()
+    assert "overhead        ok" in text
+    assert "bench_overhead:\n  launch: 16 blocks\n  mode  step ms  vs none\n  none  10.00" in text
+    assert "  keep  11.00  1.100" in text
+    assert json.loads((tmp_path / "check.json").read_text())["overhead"] == table
+
+
 def _check(tmp_path, python, *args):
     env = {**os.environ, "PYTHON": str(python), "OUT_DIR": str(tmp_path / "out")}
     return subprocess.run(

@@ -7,8 +7,10 @@
 #   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
 #   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
 #      plain gradient accumulation, W1's blocks; 120 s at most);
-#   5. tba doctor --json;
-#   6. the CPU suite on this machine's torch (not the integrations: their frameworks are not
+#   5. the overhead benchmark (benchmarks/bench_overhead.py --device cuda: tba's modes against no
+#      tba and checkpointing on the launch-bound model and W1; 150 s at most);
+#   6. tba doctor --json;
+#   7. the CPU suite on this machine's torch (not the integrations: their frameworks are not
 #      installed here), with the time left of the 20 minutes, in parallel when pytest-xdist
 #      is installed.
 # Writes $OUT_DIR/check.json (every step's status, seconds and result) and
@@ -86,6 +88,7 @@ if [ $DRY -eq 1 ]; then
     run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
     run relay_bench 120 "$PY" benchmarks/gpu/bench_relay_gpu.py --dry \
         --json "$OUT_DIR/relay_bench.json"
+    run overhead 120 "$PY" benchmarks/bench_overhead.py --models launch --rounds 2 --warmup 1
     run doctor 60 "$PY" -m tba.cli doctor --json --probe-bytes 16MiB
 else
     run install 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
@@ -108,6 +111,8 @@ else
         --json "$OUT_DIR/bench.json"
     run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
         --json "$OUT_DIR/relay_bench.json"
+    run overhead "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" benchmarks/bench_overhead.py \
+        --device cuda --models launch,w1 --rounds 10
     run doctor 90 "$PY" -m tba.cli doctor --json
     # The whole CPU suite, one line per test (-v: a suite cut short by the time limit still
     # names what failed so far) and failures again at the end (-rfE); spread over

@@ -67,6 +67,9 @@ def main() -> int:
         path = os.path.join(out_dir, f"{key}.json")
         if os.path.exists(path):
             report[key] = json.loads(read(path))
+    overhead = os.path.join(out_dir, "overhead.txt")
+    if os.path.exists(overhead):
+        report["overhead"] = read(overhead)
     doctor = os.path.join(out_dir, "doctor.txt")
     if os.path.exists(doctor):
         try:
@@ -104,6 +107,8 @@ def main() -> int:
             "bench_relay_gpu:",
             *("  " + ln for ln in relay_summary(report["relay_bench"]).splitlines()),
         ]
+    if "overhead" in report:  # bench_overhead's tables as printed
+        lines += ["bench_overhead:", *("  " + ln for ln in report["overhead"].splitlines() if ln)]
     doc = report.get("doctor")
     if isinstance(doc, dict) and "usable" in doc:
         backend = doc.get("backend")
