@@ -134,6 +134,7 @@ def main() -> None:
         params_equal=all(torch.equal(a, b) for a, b in zip(params, ref_params)),
         bytes_offloaded=st["bytes_offloaded"],
         bytes_reloaded=st["bytes_reloaded"],
+        forwarded=st["forwarded"],
         dirs_after_close=sorted(os.listdir(spill_root)),
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

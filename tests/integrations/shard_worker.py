@@ -25,7 +25,8 @@ from tba.testing import GPT, GPTConfig, warm_cpu_math  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=32, hidden=64, heads=4, layers=2)
 STEPS = 3
-KEYS = ("bytes_offloaded", "bytes_reloaded", "tensors_offloaded", "tensors_kept", "saved_bytes")
+KEYS = ("bytes_offloaded", "bytes_reloaded", "forwarded", "tensors_offloaded", "tensors_kept")
+KEYS += ("saved_bytes",)
 
 
 def batches(rank: int):

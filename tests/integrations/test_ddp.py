@@ -36,7 +36,9 @@ def test_two_ranks_exact_and_separate(tmp_path):
         assert out["rank"] == r and out["config_rank"] == r  # TBA_RANK falls back to $RANK
         assert out["losses"] == out["ref_losses"], f"rank {r}: losses differ from no offload"
         assert out["grads_equal"] and out["params_equal"]
-        assert out["bytes_offloaded"] > 0 and out["bytes_reloaded"] > 0
+        # backward took them back from disk, or from staging (the read-ahead wanted them while
+        # their writes still ran: which one depends on the host's load)
+        assert out["bytes_offloaded"] > 0 and out["bytes_reloaded"] + out["forwarded"] > 0
         own = out["spill_dir"]
         m = pattern.match(os.path.basename(own))
         assert m and m.group("rank") == str(r) and os.path.dirname(own) == str(spill)

@@ -30,7 +30,8 @@ def test_two_stages_offload_on_every_stage_and_stay_exact(tmp_path):
         assert out["params_equal"], f"stage {stage}: weights differ from no offload"
         steps = out["steps"]
         assert len(steps) == 16  # 4 optimizer steps x 4 micro-batches, one tba step each
-        assert all(s["bytes_offloaded"] > 0 and s["bytes_reloaded"] > 0 for s in steps)
+        # back from disk, or from staging when the read-ahead wanted it while its write ran
+        assert all(s["bytes_offloaded"] > 0 < s["bytes_reloaded"] + s["forwarded"] for s in steps)
         # after the first optimizer step (warm-up), backward never waits for an unissued read
         assert [s["sync_loads"] for s in steps[4:]] == [0] * 12
 

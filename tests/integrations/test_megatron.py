@@ -223,7 +223,8 @@ def test_gpt_model_exact_gradients_with_two_micro_batches(megatron, tmp_path):
     off = tba_mg.offloader(wrapped)
     try:
         st = off.stats()
-        assert st["bytes_offloaded"] > 0 and st["bytes_reloaded"] > 0
+        # back from disk, or from staging when the read-ahead wanted it while its write ran
+        assert st["bytes_offloaded"] > 0 and st["bytes_reloaded"] + st["forwarded"] > 0
         assert off.backend.spill_path.startswith(str(tmp_path / "spill"))
         assert len(losses) == 4 and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
         for g, r in zip(grads, ref_grads):

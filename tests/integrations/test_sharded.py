@@ -27,8 +27,9 @@ def test_zero3_and_fsdp2_offload_per_rank_and_stay_exact(tmp_path):
             where = f"{mode}, rank {r}"
             assert out["losses"] == out["ref_losses"] and len(out["losses"]) == 3, where
             assert out["params_equal"] and out["shard_numel"] > 0, where
-            # offload happened on this rank, and what backward needed came back from disk
-            assert out["bytes_offloaded"] > 0 and out["bytes_reloaded"] > 0, where
+            # offload happened on this rank, and what backward needed came back from disk (or
+            # from staging, when the read-ahead wanted it while its write still ran)
+            assert out["bytes_offloaded"] > 0 < out["bytes_reloaded"] + out["forwarded"], where
             # the saved activations are plain tensors (FSDP2 computes with unsharded plain
             # parameters), and a DTensor would be offloaded through its local shard: nothing
             # stays behind as "unsupported" or as a kept "subclass"

@@ -47,7 +47,8 @@ def test_wrapped_loop_is_exact(tmp_path):
     with tba.Offloader(_cfg(tmp_path)) as off:
         losses, grads, model = _loop(True, off)
         st = off.stats()
-        assert st["bytes_offloaded"] > 0 and st["bytes_reloaded"] > 0
+        # back from disk, or from staging when the read-ahead wanted it while its write ran
+        assert st["bytes_offloaded"] > 0 and st["bytes_reloaded"] + st["forwarded"] > 0
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert len(grads) == len(ref_grads) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert tba.integrations.is_wrapped(model)
