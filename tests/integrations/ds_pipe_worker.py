@@ -116,7 +116,10 @@ def main() -> None:
         and all(torch.equal(a, b) for a, b in zip(params, ref_params)),
         "forward_pass_replaced": replaced,
         "steps": [
-            {k: st[k] for k in ("bytes_offloaded", "bytes_reloaded", "forwarded", "sync_loads", "packs")}
+            {
+                k: st[k]
+                for k in ("bytes_offloaded", "bytes_reloaded", "forwarded", "sync_loads", "packs")
+            }
             for st in steps
         ],
     }
