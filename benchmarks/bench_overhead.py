@@ -13,11 +13,12 @@ Models (``tba.testing.GPT``, pre-LN causal blocks, fp32):
 Modes, one step of each in turn per round (interleaved: this machine's speed drifts over
 minutes), medians of the rounds: ``none``; ``hooks`` (``saved_tensors_hooks`` whose pack and
 unpack return their argument: what any Python hook pays per saved tensor, the floor under tba's
-modes); ``checkpoint`` (``torch.utils.checkpoint``, non-reentrant, per block); tba with
-``TBA_POLICY=keep`` (hooks on, nothing moved), the default (offload, adaptive keep-last),
-``recompute`` and ``auto``. The table gives each mode's median step, its ratio to ``none``, the
-ratio of tba's recompute to ``checkpoint``, and the saved bytes each tba mode wrote per step.
-CPU runs use one intra-op thread.
+modes); ``checkpoint`` (``torch.utils.checkpoint``, non-reentrant, per block); ``save_on_cpu``
+(``torch.autograd.graph.save_on_cpu``: every saved tensor copied to host memory, pinned on CUDA;
+on the CPU a copy that frees nothing); tba with ``TBA_POLICY=keep`` (hooks on, nothing moved),
+the default (offload, adaptive keep-last), ``recompute`` and ``auto``. The table gives each
+mode's median step, its ratio to ``none``, the ratio of tba's recompute to ``checkpoint``, and
+the saved bytes each tba mode wrote per step. CPU runs use one intra-op thread.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ MODELS = {
     "launch512": (GPTConfig(vocab=256, seq=64, hidden=512, heads=4, layers=16), 1),
     "w1": (W1, W1_MICRO_BATCH),
 }
-MODES = ("none", "hooks", "checkpoint", "keep", "default", "recompute", "auto")
+MODES = ("none", "hooks", "checkpoint", "save_on_cpu", "keep", "default", "recompute", "auto")
 
 
 def _same(t):
@@ -58,6 +59,9 @@ def step(model, batch, mode: str, off, sync) -> tuple[float, int]:
     t0 = time.perf_counter()
     if mode == "hooks":
         with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            loss = model(*batch)
+    elif mode == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu(pin_memory=batch[0].is_cuda):
             loss = model(*batch)
     elif off is None:
         loss = model(*batch)
@@ -74,7 +78,7 @@ def step(model, batch, mode: str, off, sync) -> tuple[float, int]:
 
 
 def offloader(mode: str, spill: str) -> tba.Offloader | None:
-    if mode in ("none", "hooks", "checkpoint"):
+    if mode in ("none", "hooks", "checkpoint", "save_on_cpu"):
         return None
     policy = {"default": "offload"}.get(mode, mode)
     return tba.Offloader(tba.Config(spill_dir=spill, policy=policy, environ={}))
@@ -114,8 +118,7 @@ def run_model(name: str, args, spill: str) -> None:
     for m in args.modes:
         vs_none = f"{med[m] / base:.3f}" if base else "-"
         vs_ckpt = f"{med[m] / ckpt:.3f}" if ckpt and m in ("checkpoint", "recompute") else ""
-        mib = statistics.median(written[m]) / 2**20 if m in offs and offs[m] else 0.0
-        wrote = f"{mib:.1f}" if offs.get(m) is not None else ""
+        wrote = f"{statistics.median(written[m]) / 2**20:.1f}" if offs[m] is not None else ""
         print(f"{m:<12}{med[m] * 1e3:>10.2f}{vs_none:>9}{vs_ckpt:>9}{wrote:>13}")
 
 

@@ -35,6 +35,16 @@ def forward(x, w):
     return h, (h * h.cos()).sum()
 
 
+def watched(fwd):
+    """``forward`` under ``fwd``: the loss, the weight, and weak references to the saved
+    intermediate ``h`` and its storage (``h`` itself is not held)."""
+    x = torch.randn(16, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    with fwd():
+        h, loss = forward(x, w)
+    return loss, w, weakref.ref(h), StorageWeakRef(h.untyped_storage())
+
+
 def test_graph_freed_without_backward_leaves_nothing(under_tba):
     def case(fwd):
         x = torch.randn(16, 8)
@@ -52,12 +62,7 @@ def test_graph_freed_without_backward_leaves_nothing(under_tba):
 
 def test_saved_intermediates_die_with_their_graph_like_stock(under_tba):
     def case(fwd):
-        x = torch.randn(16, 8)
-        w = torch.randn(8, 8, requires_grad=True)
-        with fwd():
-            h, loss = forward(x, w)
-        ref, storage = weakref.ref(h), StorageWeakRef(h.untyped_storage())
-        del h
+        loss, w, ref, storage = watched(fwd)
         del loss  # the graph dies
         settle(fwd)
         return ref() is None, storage.expired()
@@ -68,12 +73,7 @@ def test_saved_intermediates_die_with_their_graph_like_stock(under_tba):
 
 def test_saved_tensors_die_after_backward_like_stock(under_tba):
     def case(fwd):
-        x = torch.randn(16, 8)
-        w = torch.randn(8, 8, requires_grad=True)
-        with fwd():
-            h, loss = forward(x, w)
-        ref, storage = weakref.ref(h), StorageWeakRef(h.untyped_storage())
-        del h
+        loss, w, ref, storage = watched(fwd)
         loss.backward()  # frees the saved tensors; ``loss`` and its graph's nodes stay
         settle(fwd)
         return ref() is None, storage.expired(), w.grad
@@ -84,12 +84,7 @@ def test_saved_tensors_die_after_backward_like_stock(under_tba):
 
 def test_retained_graph_dies_when_dropped_like_stock(under_tba):
     def case(fwd):
-        x = torch.randn(16, 8)
-        w = torch.randn(8, 8, requires_grad=True)
-        with fwd():
-            h, loss = forward(x, w)
-        ref, storage = weakref.ref(h), StorageWeakRef(h.untyped_storage())
-        del h
+        loss, w, ref, storage = watched(fwd)
         loss.backward(retain_graph=True)
         loss.backward(retain_graph=True)
         grads = w.grad.clone()
@@ -124,14 +119,10 @@ def test_graph_freed_by_the_cyclic_gc_like_stock(under_tba):
     """The graph's only owner is a Python reference cycle: ``gc.collect()`` frees it."""
 
     def case(fwd):
-        x = torch.randn(16, 8)
-        w = torch.randn(8, 8, requires_grad=True)
-        with fwd():
-            h, loss = forward(x, w)
-        ref, storage = weakref.ref(h), StorageWeakRef(h.untyped_storage())
+        loss, w, ref, storage = watched(fwd)
         holder: dict = {"loss": loss}
         holder["self"] = holder
-        del h, loss, holder
+        del loss, holder
         settle(fwd)
         return ref() is None, storage.expired()
 
