@@ -89,14 +89,15 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     @eager_only
     def pack(self, t: torch.Tensor) -> Any:
+        packer = self.packer
         st = self.st
+        if not packer.time_hooks:
+            return packer.pack(t, st)
         t0, stalled = st.clock(), st.stall_seconds
-        got = self.packer.pack(t, st)
-        gs = self.packer.groups.stat
-        if gs is not None:
-            waited = st.stall_seconds - stalled  # for staging (NOTE [Staging backpressure])
-            gs.pack_seconds += st.clock() - t0 - waited
-            gs.pack_stall_seconds += waited
+        got = packer.pack(t, st)
+        gs = packer.groups.stat
+        if gs is not None:  # less what it waited for staging (NOTE [Staging backpressure])
+            gs.pack_seconds += st.clock() - t0 - (st.stall_seconds - stalled)
         return got
 
     @eager_only
@@ -104,13 +105,16 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         tp = type(packed)
         if tp is KeptHandle:  # in memory all along: its version, and its group's backward time
             stat = packed.stat
-            if stat is None:
-                return packed.unpack()
-            t0 = self.st.clock()
-            stat.unpacked(t0)
-            out = packed.unpack()
-            stat.unpack_seconds += self.st.clock() - t0
-            return out
+            if stat is not None:
+                t0 = self.st.clock()
+                if not stat.bwd_first:  # GroupStat.unpacked, inline
+                    stat.bwd_first = t0
+                stat.bwd_last = t0
+                if self.packer.time_hooks:
+                    out = packed.unpack()
+                    stat.unpack_seconds += self.st.clock() - t0
+                    return out
+            return packed.unpack()
         if tp is Passed:  # NOTE [Passed through]
             return packed.unpack()
         if tp is Handle:  # the only kind whose unpack can wait on a read

@@ -20,7 +20,7 @@ import torch
 from ..decide.keep import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from ..errors import internal_error
 from ..records.entry import DEAD, FAILED, Entry
-from ..records.handle import Handle, KeptHandle, Passed, layout
+from ..records.handle import Handle, KeptEntry, KeptHandle, Passed, kept_alias, layout
 from ..records.index import Index
 from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
@@ -38,26 +38,34 @@ from .write import Writer
 # the hook does in Python is taken from the launch queue. What a tensor that is not moved (kept:
 # small, in a kept or recomputed block, under TBA_POLICY=keep) costs, in order:
 # 1. the hook itself is a plain function: dynamo is told to skip its code and all it calls
-#    (tba/datapath/hook.py, ``eager_only``), with no wrapper per call;
+#    (tba/datapath/hook.py, ``eager_only``), with no wrapper per call; it times itself (two clock
+#    readings, NOTE [Hook time]) only for the chooser (TBA_POLICY=auto, TBA_BLOCK_POLICY) and
+#    the trace;
 # 2. ``unsupported`` (attribute reads only), then parameters and their views, then the model's
 #    weight and buffer storages (a frozenset found once per model, NOTE [Model storages] in
 #    tba/datapath/offloader.py): those are passed through with their version (a Passed);
-# 3. a weight cast is recognised from its grad_fn alone (no walk unless the node is a cast);
-# 4. under the I/O lock (uncontended unless a write or read completes at the same moment): the
-#    dedup lookup, the once-per-storage count in saved_bytes, the layout, the group's decision
-#    and its counters. The walk through the grad_fn chain for what selective would keep
-#    (``kept_by_selective``) runs only where a chooser weighs it (TBA_POLICY=auto or
-#    selective, or TBA_BLOCK_POLICY);
-# 5. the KeptHandle. Unpack checks its version and times its group's backward (two clock
-#    readings), without going through the Reader.
-# The objects a kept tensor leaves alive for the cyclic GC to track, and what each is for: the
-# KeptHandle (what autograd holds; its __del__ returns the storage's charge, NOTE [Deferred
-# release]); the weak reference in the dedup index (a repeated save of the view finds it); the
-# key tuple and its torch.Size (the dedup key, shared with the handle); the alias without
-# grad_fn that the handle holds (NOTE [No cycle through the graph]); the step's StorageRef
-# (once per storage, until the forward ends: NOTE [Storage identity] in tba/records/index.py);
-# a KeptEntry per kept storage. An offloaded tensor adds its Entry, the witness of its version
-# (NOTE [Version witness]) and what its capture and write take.
+# 3. a weight cast is recognised from its grad_fn alone (no walk unless the node is a cast),
+#    looked at only for tensors that require grad;
+# 4. the fast path, while the forward is in a block (or in any window under TBA_POLICY=keep)
+#    and no chooser measures what blocks save (``GroupTracker.fast_ok``): a tensor whose group
+#    keeps everything (``GroupTracker.fast``: a kept block, a recomputed block's inputs) or whose
+#    storage is under TBA_MIN_OFFLOAD_BYTES, on a storage that tba neither keeps nor has
+#    captured yet, is kept with no key, no dedup lookup and no layout (unless it is not
+#    contiguous): under the I/O lock (uncontended unless a write or read completes at the same
+#    moment), the storage's KeptEntry, the step's and the group's counters, the KeptHandle.
+#    Anything else takes the general path below it (dedup lookup, saved_bytes, layout, the
+#    group's decision), which any storage saved a second time takes too;
+# 5. unpack checks the handle's version and notes its group's backward time (one clock
+#    reading), in the hook, without going through the Reader.
+# The objects a kept tensor leaves alive for the cyclic GC to track (bench_hotpath counts them),
+# and what each is for: the KeptHandle (what autograd holds; its __del__ returns the storage's
+# charge, NOTE [Deferred release]); the alias without grad_fn that it holds (NOTE [No cycle
+# through the graph]); the KeptEntry, once per storage, which is also the storage's weak
+# reference for the step (NOTE [Storage identity] in tba/records/index.py); the storage's
+# Python object and the producer node's, which torch keeps for as long as the storage and the
+# node once ``untyped_storage()`` and ``grad_fn`` have been read. An offloaded tensor adds its
+# key, its Entry, the witness of its version (NOTE [Version witness]), the weak reference in
+# the dedup index and what its capture and write take.
 
 
 class Packer:
@@ -70,10 +78,14 @@ class Packer:
         self.groups = groups
         cfg = io.config
         self.coalesce_bytes = cfg.coalesce_bytes
+        self.min_offload_bytes = policy.min_offload_bytes
         self.recompute_weights = cfg.recompute_weights
         # what selective would keep of each block: weighed by the chooser (auto), and compared
         # with what it kept where blocks run selective
         self.measure_cacheable = cfg.policy in ("auto", "selective") or bool(cfg.block_policy)
+        groups.fast_allowed = not self.measure_cacheable
+        # the hooks time themselves only for the chooser and the trace (NOTE [Hook time])
+        self.time_hooks = cfg.policy == "auto" or bool(cfg.block_policy) or bool(cfg.trace)
         self.writer = Writer(io, index, groups, cfg)
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
         self._seq = 0
@@ -85,41 +97,79 @@ class Packer:
         with its version (NOTE [Passed through]). NOTE [Hot path] says what each step costs."""
         if unsupported(t):
             return self._unsupported(t, st)
-        base = t._base
-        if (t.requires_grad and t.is_leaf) or (
-            base is not None and base.requires_grad and base.is_leaf
-        ):
+        grad = t.requires_grad  # with is_leaf false: it has a grad_fn (the alias below)
+        if grad and t.is_leaf:
             return Passed(t, leaf=True)  # held by the model anyway; never written, never counted
+        base = t._base
+        if base is not None and base.requires_grad and base.is_leaf:
+            return Passed(t, leaf=True)
         storage = t.untyped_storage()
         cdata = storage._cdata
         if cdata in self.param_storages:  # a frozen weight or a buffer of the model, or a view
             return Passed(t, leaf=True)
-        if self.recompute_weights:
+        if grad and self.recompute_weights:
             d = derived(t, self.param_storages)
             if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
                 with self.io.lock:
                     st.packs += 1
                     st.recomputed(storage, cdata, d.nbytes)
                 return d
+        groups = self.groups
+        index = self.index
+        if groups.fast_ok and cdata not in index.kept and cdata not in index.captured:
+            # NOTE [Hot path]: kept without a key, the dedup lookup or the layout
+            reason = groups.fast
+            snbytes = storage.nbytes()
+            if reason is not None or snbytes < self.min_offload_bytes:
+                nbytes = t.nbytes if t.is_contiguous() else layout(t, snbytes)[1]
+                if nbytes < self.min_offload_bytes:
+                    reason = "small"  # as Policy.keep_reason has it, before the group's reason
+                with self.io.lock:
+                    e = index.kept[cdata] = KeptEntry(storage, index.graveyard, cdata, snbytes)
+                    index.charge(snbytes)
+                    st.packs += 1
+                    st.tensors_kept += 1
+                    st.kept_fast += 1
+                    st.kept_reasons[reason] += 1
+                    if not groups.by_model:  # pack-order windows (all kept: TBA_POLICY=keep)
+                        window = groups.packed // groups.group_bytes
+                        groups.window = window
+                        if window != groups.group:
+                            groups.switch_kept(window)
+                    groups.packed += nbytes
+                    gs = groups.stat
+                    seen = st.seen
+                    if cdata not in seen:  # counted once in this step (the record is its ref)
+                        seen[cdata] = e
+                        st.saved_bytes += snbytes
+                        gs.saved_bytes += snbytes
+                        gs.sizes.append(snbytes)
+                    gs.tensors += 1
+                    gs.packed_bytes += nbytes
+                    gs.kept_bytes += nbytes
+                    if reason == "group":
+                        gs.keepable_bytes += nbytes
+                    return KeptHandle(t.detach() if grad else t, t._version, e, gs)
         stride = t.stride()
         key = (cdata, t.storage_offset(), t.shape, stride, t.dtype, t._version)
-        index = self.index
         with self.io.lock:
             index.bury()
             st.packs += 1
             h = index.find(key)
             if h is not None:  # the same view saved again: no new bytes, one more use
                 st.dedup_hits += 1
-                h.stat = self.groups.stat  # the last saver's backward unpacks it first
-                if type(h) is Handle:
-                    h.packs += 1
-                    h.entry.saved(self._next_seq())
+                h.stat = groups.stat  # the last saver's backward unpacks it first
+                h.packs += 1
+                h.entry.saved(self._next_seq())
                 return h
+            kept = index.kept.get(cdata)
+            if kept is not None:  # a storage kept resident already: one more kept handle on it
+                st.dedup_hits += 1
+                return KeptHandle(kept_alias(t), t._version, kept, groups.stat)
             snbytes = storage.nbytes()
             seen = st.saved_bytes
             sref = st.see(storage, cdata, snbytes)
             whole, nbytes, stride, offset = layout(t, snbytes, stride)
-            groups = self.groups
             compiled = groups.outside_blocks() and groups.in_enclosing_region()
             reason = self.policy.keep_reason(nbytes, groups.on_pack(nbytes, compiled))
             if compiled and reason is None:
@@ -143,9 +193,9 @@ class Packer:
             if reason == "group":
                 gs.keepable_bytes += nbytes
             st.keep(reason)
-            h = KeptHandle(t, index.kept_entry(cdata, snbytes), key, gs)
-            index.add_handle(h)
-            return h
+            return KeptHandle(
+                kept_alias(t), t._version, index.kept_entry(storage, cdata, snbytes), gs
+            )
 
     def _warn_compiled(self) -> None:
         name = self.groups.model.name if self.groups.model is not None else "the model"
@@ -219,7 +269,9 @@ class Packer:
                 storage = t.untyped_storage()
                 cdata, nbytes = storage._cdata, storage.nbytes()
                 fresh = cdata not in self.index.kept
-                h = KeptHandle(t, self.index.kept_entry(cdata, nbytes), ("selective", cdata), gs)
+                h = KeptHandle(
+                    kept_alias(t), t._version, self.index.kept_entry(storage, cdata, nbytes), gs
+                )
                 if fresh:
                     gs.cached_bytes += nbytes
                 held.append(h)
@@ -301,6 +353,7 @@ class Packer:
         e = Entry(self.index.graveyard, st, ekey, sref, t.device, nbytes, block, extent, gs)
         e.captured_by(ticket, check, batch, skew, span)
         self.index.charge(block.length)
+        self.index.add_entry(e)
         if batch is None:
             io.count_disk(st, extent.length)
         if whole:
@@ -340,6 +393,8 @@ class Packer:
         got, waited = staging.wait_for(get, seen, cfg.staging_wait, io.lock, io.clock)
         st.stall_seconds += waited
         st.pack_stall_seconds += waited
+        if self.groups.stat is not None:
+            self.groups.stat.pack_stall_seconds += waited
         if got is None:
             self._waited_out = st.index
             io.warn_once(

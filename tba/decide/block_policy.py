@@ -51,11 +51,13 @@ log = logging.getLogger("tba")
 # block does not pay is tba's work on the training thread: the pack hook (index, staging, queuing
 # the write) and the unpack hook (waiting for the lock, views, the version check). The hooks time
 # themselves into the group's GroupStat (``pack_seconds``, ``unpack_seconds`` of a record, stalls
-# excluded: those the simulator predicts from bandwidth), and an offload step stores, besides its
-# own times, the block's times less those (``BARE`` in tba/decide/chooser.py), which stand in for an
-# action not measured yet (STAND_INS). The hooks' share of a block's time is largest where the
-# block's compute is short and the CPU has few cores. The I/O threads' CPU, which also slows compute
-# on a machine with few cores, is not on the training thread and is not counted.
+# excluded: those the simulator predicts from bandwidth; they time themselves only where this is
+# read, under TBA_POLICY=auto, TBA_BLOCK_POLICY or a trace, and record 0 elsewhere), and an offload
+# step stores, besides its own times, the block's times less those (``BARE`` in
+# tba/decide/chooser.py), which stand in for an action not measured yet (STAND_INS). The hooks'
+# share of a block's time is largest where the block's compute is short and the CPU has few cores.
+# The I/O threads' CPU, which also slows compute on a machine with few cores, is not on the training
+# thread and is not counted.
 
 # NOTE [Selective recompute cost]
 # selective (NOTE [Selective recompute] in tba/datapath/blocks/selective.py) keeps a block's matrix

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import modified_error
 from .entry import Entry
+from .step import StorageRef
 
 # -- where a saved view's bytes are ------------------------------------------------------------
 
@@ -181,28 +182,41 @@ class Passed:
         return t
 
 
-class KeptEntry:
-    """Accounting for a storage that stays resident because kept handles reference it."""
+def kept_alias(t: torch.Tensor) -> torch.Tensor:
+    """What a kept handle holds: ``t``, or ``t.detach()`` when ``t`` has a grad_fn (NOTE [No
+    cycle through the graph])."""
+    return t if t.grad_fn is None else t.detach()
 
-    __slots__ = ("graveyard", "cdata", "nbytes", "handles", "__weakref__")
 
-    def __init__(self, graveyard: deque, cdata: int, nbytes: int):
+class KeptEntry(StorageRef):
+    """Accounting for a storage that stays resident because kept handles reference it. It is
+    also the storage's weak reference (a StorageRef), so that a kept storage is one object for
+    the cyclic GC, and its address cannot be reused while the record exists (NOTE [Storage
+    identity] in tba/records/index.py)."""
+
+    __slots__ = ("graveyard", "sid", "nbytes", "handles")
+
+    def __init__(self, storage: Any, graveyard: deque, sid: int, nbytes: int):
+        super().__init__(storage)
         self.graveyard = graveyard
-        self.cdata = cdata
+        self.sid = sid  # the storage's StorageImpl address (``cdata`` is the weak reference)
         self.nbytes = nbytes
         self.handles = 0
 
 
 class KeptHandle:
-    """A saved tensor tba keeps in memory. Holds it, and checks its version on unpack."""
+    """A saved tensor tba keeps in memory. Holds it, and checks its version on unpack. Kept
+    handles are not in the dedup index: saving a kept view again makes another kept handle on
+    the same KeptEntry (the storage is charged once)."""
 
-    __slots__ = ("tensor", "version", "entry", "key", "stat", "__weakref__")
+    __slots__ = ("tensor", "version", "entry", "stat")
 
-    def __init__(self, t: torch.Tensor, entry: KeptEntry, key: Any, stat: Any = None):
-        self.tensor = t if t.grad_fn is None else t.detach()  # NOTE [No cycle through the graph]
-        self.version = t._version
+    def __init__(self, alias: torch.Tensor, version: int, entry: KeptEntry, stat: Any = None):
+        """``alias``: the saved tensor, or without its grad_fn (:func:`kept_alias`);
+        ``version``: the saved tensor's at pack."""
+        self.tensor = alias
+        self.version = version
         self.entry = entry
-        self.key = key
         self.stat = (
             stat  # the GroupStat its unpacks time (NOTE [Backward timing] in tba/records/step.py)
         )
@@ -210,7 +224,7 @@ class KeptHandle:
 
     def __del__(self) -> None:
         try:
-            self.entry.graveyard.append((self.key, self.entry, 0))  # NOTE [Deferred release]
+            self.entry.graveyard.append((None, self.entry, 0))  # NOTE [Deferred release]
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 

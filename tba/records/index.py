@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import internal_error
 from .entry import Entry
-from .handle import Handle, KeptEntry, KeptHandle
+from .handle import Handle, KeptEntry
 
 
 class Index:
@@ -44,6 +44,7 @@ class Index:
         self.handles: dict[Any, weakref.ref] = {}  # view key -> handle
         self.entries: dict[Any, Entry] = {}  # (storage cdata, version) -> whole-storage entry
         self.kept: dict[int, KeptEntry] = {}  # storage cdata -> kept storage
+        self.captured: dict[int, int] = {}  # storage cdata -> its entries not yet dead
         self.resident = 0
         self.graveyard: deque = deque()  # (key, entry, packs) of dead handles; see bury()
 
@@ -56,20 +57,26 @@ class Index:
         self.resident -= n
 
     # -- lookups ------------------------------------------------------------------------------
-    def find(self, key: Any) -> Handle | KeptHandle | None:
+    def find(self, key: Any) -> Handle | None:
         ref = self.handles.get(key)
         return None if ref is None else ref()
 
-    def add_handle(self, h: Handle | KeptHandle) -> None:
+    def add_handle(self, h: Handle) -> None:
         self.handles[h.key] = weakref.ref(h)
 
-    def kept_entry(self, cdata: int, nbytes: int) -> KeptEntry:
+    def kept_entry(self, storage: Any, cdata: int, nbytes: int) -> KeptEntry:
         """The record of a kept storage (charged once, however many views keep it)."""
         e = self.kept.get(cdata)
         if e is None:
-            e = self.kept[cdata] = KeptEntry(self.graveyard, cdata, nbytes)
+            e = self.kept[cdata] = KeptEntry(storage, self.graveyard, cdata, nbytes)
             self.charge(nbytes)
         return e
+
+    def add_entry(self, e: Entry) -> None:
+        """Count a new entry against its storage (the pack hook's fast path leaves a storage
+        with a captured entry to the dedup lookup, NOTE [Hot path] in tba/datapath/pack.py)."""
+        cdata = e.key[0]
+        self.captured[cdata] = self.captured.get(cdata, 0) + 1
 
     # -- lifetimes (NOTE [Deferred release]) --------------------------------------------------
     def bury(self) -> None:
@@ -77,19 +84,25 @@ class Index:
         g = self.graveyard
         while g:
             key, e, packs = g.popleft()
+            if type(e) is KeptEntry:
+                e.handles -= 1
+                if e.handles == 0:
+                    if self.kept.get(e.sid) is e:
+                        del self.kept[e.sid]
+                    self.uncharge(e.nbytes)
+                continue
             ref = self.handles.get(key)
             if ref is not None and ref() is None:
                 del self.handles[key]
-            if isinstance(e, KeptEntry):
-                e.handles -= 1
-                if e.handles == 0:
-                    if self.kept.get(e.cdata) is e:
-                        del self.kept[e.cdata]
-                    self.uncharge(e.nbytes)
-                continue
             if e.forget(packs):
                 if self.entries.get(e.key) is e:
                     del self.entries[e.key]
+                cdata = e.key[0]
+                n = self.captured.get(cdata, 0) - 1
+                if n > 0:
+                    self.captured[cdata] = n
+                else:
+                    self.captured.pop(cdata, None)
                 self.on_dead(e)
 
 

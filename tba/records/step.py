@@ -157,6 +157,7 @@ class StepState:
         self.bytes_reloaded = 0
         self.tensors_offloaded = 0
         self.tensors_kept = 0
+        self.kept_fast = 0  # of tensors_kept: by the pack hook's fast path (NOTE [Hot path])
         self.kept_reasons: Counter[str] = Counter()
         self.dedup_hits = 0
         self.forwarded = 0
@@ -317,6 +318,7 @@ class StepState:
             step=self.index,
             packs=self.packs,
             kept_reasons=dict(self.kept_reasons),
+            kept_fast=self.kept_fast,
             peak_disk_bytes=self.peak_disk_bytes,
             io_errors=self.io_errors,
             groups=self.groups,

@@ -3,6 +3,7 @@ tba/datapath/pack.py): measured once where a measurement can be reused, and stil
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -179,3 +180,71 @@ def test_compiled_code_runs_with_the_hooks_installed(make_offloader):
     loss.backward()
     assert dict(counters["frames"]) == without
     assert off.stats()["packs"] > 0
+
+
+RECORD_KEYS = ("saved_bytes", "packed_bytes", "kept_bytes", "keepable_bytes", "tensors", "kept")
+STAT_KEYS = ("saved_bytes", "tensors_kept", "kept_reasons", "dedup_hits", "packs")
+STAT_KEYS += ("peak_resident_bytes", "tensors_offloaded", "recomputed_tensors", "groups")
+
+
+def _counted(make_offloader, fast: bool, model_given: bool, **cfg):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(**cfg)
+    off.groups.fast_allowed = fast
+    out = []
+    for s in range(2):
+        with off.step(model if model_given else None):
+            loss = model(*random_batch(CFG, 4, seed=s))
+        loss.backward()
+        off.synchronize()
+        st = off.stats()
+        recs = [{k: r[k] for k in RECORD_KEYS} for r in off._last.group_records()]
+        out.append(({k: st[k] for k in STAT_KEYS}, recs, st["kept_fast"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg,model_given",
+    [
+        ({"policy": "keep"}, True),
+        ({"policy": "keep"}, False),  # pack-order windows, every one kept
+        ({"keep_last": 1, "min_offload_bytes": "4KiB"}, True),  # a kept block, small tensors
+        ({"policy": "recompute"}, True),  # the checkpoints' inputs
+    ],
+)
+def test_fast_path_counts_what_the_general_path_counts(make_offloader, cfg, model_given):
+    """The fast path (NOTE [Hot path]) is a shortcut, not another policy: every stat and every
+    group record is what the general path gives for the same steps."""
+    fast = _counted(make_offloader, True, model_given, **cfg)
+    slow = _counted(make_offloader, False, model_given, **cfg)
+    for (fs, frec, fcount), (ss, srec, scount) in zip(fast, slow):
+        assert fcount > 0 and scount == 0
+        if fs["tensors_offloaded"]:  # staging's share of the peak depends on when writes end
+            del fs["peak_resident_bytes"], ss["peak_resident_bytes"]
+        assert fs == ss
+        assert frec == srec
+
+
+def _views_saved_twice(x):
+    h = x * 2
+    y = h.sin() * h.t().cos()  # sin saves h, cos its transpose: one storage, two views
+    return (y * y).sum()  # y saved twice by one mul
+
+
+def test_a_kept_storage_saved_again_is_one_more_handle(make_offloader):
+    """Another view of a storage tba keeps, and the same tensor saved twice, are dedup hits on
+    its KeptEntry: its bytes are counted and charged once, and each handle holds it."""
+    off = make_offloader(policy="keep")
+    x = torch.randn(64, 64, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    _views_saved_twice(ref).backward()
+    with off.step():
+        z = _views_saved_twice(x)
+    z.backward()
+    st = off.stats()
+    assert torch.equal(x.grad, ref.grad)
+    assert st["dedup_hits"] == 2 and st["kept_fast"] == st["tensors_kept"]
+    assert st["packs"] == st["tensors_kept"] + 2
+    assert st["peak_resident_bytes"] == st["saved_bytes"]  # each storage charged once
+    assert st["saved_bytes"] >= 4 * x.nbytes

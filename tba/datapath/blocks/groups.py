@@ -247,6 +247,12 @@ class GroupTracker:
         self.default_action: str | None = None  # blocks not in it; None: from keep_last
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
         self.adaptive = False  # keep_last is chosen per step (TBA_KEEP_LAST=auto)
+        # the pack hook's fast path (NOTE [Hot path] in tba/datapath/pack.py): allowed unless a
+        # chooser measures what each block saves; open while the forward is in a block (or in
+        # every window under TBA_POLICY=keep), with ``fast`` the reason the whole group keeps
+        self.fast_allowed = True
+        self.fast_ok = False
+        self.fast: str | None = None
         self.policy = "offload"  # TBA_POLICY (the Offloader's)
         self._unwrap: list[Callable[[], None]] = []
         self.actions_now: list[str] = []  # this step's action per block
@@ -311,6 +317,8 @@ class GroupTracker:
         self.model: _Attached | None = None  # the model given to this step, by block or not
         self.after_region = False  # an enclosing compiled region has saved in this step
         self.lost_blocks = False  # this step found its model's blocks in a compiled region
+        self.fast_ok = False
+        self.fast = None
 
     @property
     def lead_kept(self) -> bool:
@@ -369,6 +377,7 @@ class GroupTracker:
         if self.lead_kept:  # TBA_POLICY=keep: every window
             self.first_kept = 0
             step.kept_groups = self.prev_windows or 1
+            self.fast_ok, self.fast = self.fast_allowed, "group"
         elif self.keep_last and self.prev_windows is not None:
             self.first_kept = max(0, self.prev_windows - self.keep_last)
             step.kept_groups = self.prev_windows - self.first_kept
@@ -401,6 +410,11 @@ class GroupTracker:
         self.kept = act == "keep"
         self.recomputing = act in RECOMPUTED
         self.inputs_offloaded = act == "recompute_offload"
+        self.fast_ok = self.fast_allowed and not self.after_region
+        if self.kept:
+            self.fast = "group"
+        else:
+            self.fast = "recompute" if self.recomputing and not self.inputs_offloaded else None
         if self.stat is not None:
             self.stat.kept = self.kept
             self.stat.action = act
@@ -411,6 +425,7 @@ class GroupTracker:
     def exit_block(self) -> None:
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
         self.recomputing = False
+        self.fast_ok, self.fast = False, None
         if self.block == self.n_blocks - 1 and self.head_kept:
             self.kept = True
         if self.kept and self.stat is not None:
@@ -447,6 +462,7 @@ class GroupTracker:
             if not holds:
                 return False
         self.after_region = True
+        self.fast_ok = False
         return True
 
     def on_pack(self, nbytes: int, region: bool = False) -> bool | str:
@@ -469,7 +485,14 @@ class GroupTracker:
             self.stat.kept = True
         return kept
 
+    def switch_kept(self, window: int) -> None:
+        """The fast path's window switch under TBA_POLICY=keep (what :meth:`on_pack` does)."""
+        self._switch(window)
+        if self.stat is not None:
+            self.stat.kept = True
+
     def end(self) -> None:
+        self.fast_ok, self.fast = False, None
         if self.stat is not None:
             self.stat.fwd_end = self.step.clock()
         for undo in self._unwrap:
