@@ -20,7 +20,7 @@ import torch
 from ..decide.keep import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from ..errors import internal_error
 from ..records.entry import DEAD, FAILED, Entry
-from ..records.handle import Handle, KeptEntry, KeptHandle, Passed, kept_alias, layout
+from ..records.handle import Handle, KeptHandle, Passed, kept_alias, layout
 from ..records.index import Index
 from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
@@ -125,8 +125,7 @@ class Packer:
                 if nbytes < self.min_offload_bytes:
                     reason = "small"  # as Policy.keep_reason has it, before the group's reason
                 with self.io.lock:
-                    e = index.kept[cdata] = KeptEntry(storage, index.graveyard, cdata, snbytes)
-                    index.charge(snbytes)
+                    e = index.kept_entry(storage, cdata, snbytes)
                     st.packs += 1
                     st.tensors_kept += 1
                     st.kept_fast += 1
