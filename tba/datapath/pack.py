@@ -122,14 +122,14 @@ class Packer:
             snbytes = storage.nbytes()
             if reason is not None or snbytes < self.min_offload_bytes:
                 nbytes = t.nbytes if t.is_contiguous() else layout(t, snbytes)[1]
-                if nbytes < self.min_offload_bytes:
-                    reason = "small"  # as Policy.keep_reason has it, before the group's reason
+                # "small" first, as Policy.keep_reason has it (snbytes under it: nbytes too)
+                why = "small" if reason is None or nbytes < self.min_offload_bytes else reason
                 with self.io.lock:
                     e = index.kept_entry(storage, cdata, snbytes)
                     st.packs += 1
                     st.tensors_kept += 1
                     st.kept_fast += 1
-                    st.kept_reasons[reason] += 1
+                    st.kept_reasons[why] += 1
                     if not groups.by_model:  # pack-order windows (all kept: TBA_POLICY=keep)
                         window = groups.packed // groups.group_bytes
                         groups.window = window
@@ -137,16 +137,16 @@ class Packer:
                             groups.switch_kept(window)
                     groups.packed += nbytes
                     gs = groups.stat
-                    seen = st.seen
-                    if cdata not in seen:  # counted once in this step (the record is its ref)
-                        seen[cdata] = e
+                    counted = st.seen
+                    if cdata not in counted:  # counted once in this step (the record is its ref)
+                        counted[cdata] = e
                         st.saved_bytes += snbytes
                         gs.saved_bytes += snbytes
                         gs.sizes.append(snbytes)
                     gs.tensors += 1
                     gs.packed_bytes += nbytes
                     gs.kept_bytes += nbytes
-                    if reason == "group":
+                    if why == "group":
                         gs.keepable_bytes += nbytes
                     return KeptHandle(t.detach() if grad else t, t._version, e, gs)
         stride = t.stride()
