@@ -83,6 +83,19 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.st = step
         super().__init__(self.pack, self.unpack)
 
+    def __enter__(self) -> None:
+        super().__enter__()
+        kb = self.packer.groups.kept_blocks
+        if kb is not None:
+            kb.hooks = self  # NOTE [Kept blocks without hooks] in tba/datapath/blocks/kept.py
+
+    def __exit__(self, *args: object) -> None:
+        kb = self.packer.groups.kept_blocks
+        if kb is not None:
+            kb.restore()  # a block run without these hooks raised: they go back on first
+            kb.hooks = None
+        super().__exit__(*args)
+
     # Both hooks time themselves, less any stall, into the group's GroupStat (NOTE [Hook time]
     # in tba/decide/block_policy.py): the seconds a block spends in tba rather than in its own
     # compute.

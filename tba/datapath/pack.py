@@ -24,6 +24,7 @@ from ..records.handle import Handle, KeptHandle, Passed, kept_alias, layout
 from ..records.index import Index
 from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
+from .blocks.kept import KeptBlocks
 from .blocks.selective import kept_by_selective
 from .capture.derived import derived
 from .capture.device import CpuAdapter
@@ -57,6 +58,10 @@ from .write import Writer
 #    group's decision), which any storage saved a second time takes too;
 # 5. unpack checks the handle's version and notes its group's backward time (one clock
 #    reading), in the hook, without going through the Reader.
+# 6. cheaper still, a block whose tensors all took the fast path (or were views of kept
+#    storages) when it was measured runs without tba's hooks on later steps of the same
+#    signature, its counts credited (NOTE [Kept blocks without hooks] in
+#    tba/datapath/blocks/kept.py): no pack or unpack call at all.
 # The objects a kept tensor leaves alive for the cyclic GC to track (bench_hotpath counts them),
 # and what each is for: the KeptHandle (what autograd holds; its __del__ returns the storage's
 # charge, NOTE [Deferred release]); the alias without grad_fn that it holds (NOTE [No cycle
@@ -84,6 +89,8 @@ class Packer:
         # with what it kept where blocks run selective
         self.measure_cacheable = cfg.policy in ("auto", "selective") or bool(cfg.block_policy)
         groups.fast_allowed = not self.measure_cacheable
+        # NOTE [Kept blocks without hooks] in tba/datapath/blocks/kept.py
+        groups.kept_blocks = KeptBlocks(io.lock, index, allowed=not cfg.trace)
         # the hooks time themselves only for the chooser and the trace (NOTE [Hook time])
         self.time_hooks = cfg.policy == "auto" or bool(cfg.block_policy) or bool(cfg.trace)
         self.writer = Writer(io, index, groups, cfg)
@@ -164,6 +171,7 @@ class Packer:
             kept = index.kept.get(cdata)
             if kept is not None:  # a storage kept resident already: one more kept handle on it
                 st.dedup_hits += 1
+                st.kept_dedup += 1
                 return KeptHandle(kept_alias(t), t._version, kept, groups.stat)
             snbytes = storage.nbytes()
             seen = st.saved_bytes

@@ -233,3 +233,30 @@ class KeptHandle:
         if t._version != self.version:
             raise modified_error(t.shape, t.dtype, t._version, self.version)
         return t
+
+
+class Credit:
+    """The resident charge of a block run without tba's hooks (NOTE [Kept blocks without hooks]
+    in tba/datapath/blocks/kept.py): ``nbytes`` charged until :meth:`release`, and the kept
+    handles (``held``) on the storages it registered. Released once: by the hook that sees
+    backward leave the block, or when the graph that holds that hook is freed."""
+
+    __slots__ = ("graveyard", "nbytes", "held", "done")
+
+    def __init__(self, graveyard: deque, nbytes: int):
+        self.graveyard = graveyard
+        self.nbytes = nbytes
+        self.held: list[KeptHandle] | None = None
+        self.done = False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.held = None  # their own releases go through the graveyard too
+            self.graveyard.append((None, self, 0))  # NOTE [Deferred release]
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import internal_error
 from .entry import Entry
-from .handle import Handle, KeptEntry
+from .handle import Credit, Handle, KeptEntry
 
 
 class Index:
@@ -90,6 +90,9 @@ class Index:
                     if self.kept.get(e.sid) is e:
                         del self.kept[e.sid]
                     self.uncharge(e.nbytes)
+                continue
+            if type(e) is Credit:  # a block run without tba's hooks has been through backward
+                self.uncharge(e.nbytes)
                 continue
             ref = self.handles.get(key)
             if ref is not None and ref() is None:

@@ -158,6 +158,8 @@ class StepState:
         self.tensors_offloaded = 0
         self.tensors_kept = 0
         self.kept_fast = 0  # of tensors_kept: by the pack hook's fast path (NOTE [Hot path])
+        self.kept_dedup = 0  # of dedup_hits: views of a storage tba keeps
+        self.kept_credited = 0  # of packs: credited to blocks run without tba's hooks
         self.kept_reasons: Counter[str] = Counter()
         self.dedup_hits = 0
         self.forwarded = 0
@@ -319,6 +321,7 @@ class StepState:
             packs=self.packs,
             kept_reasons=dict(self.kept_reasons),
             kept_fast=self.kept_fast,
+            kept_credited=self.kept_credited,
             peak_disk_bytes=self.peak_disk_bytes,
             io_errors=self.io_errors,
             groups=self.groups,

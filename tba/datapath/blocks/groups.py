@@ -74,8 +74,11 @@ from ...config import BY_BLOCK, RECOMPUTED, SELECTIVE
 from ...decide.simulator import kept_from
 from ...errors import UsageError, internal_error
 from ...records.step import StepState
+from .kept import KeptBlocks, top_hooks
 from .recompute import USER, Recompute, user_checkpointed
 from .selective import compiled
+
+KEPT_OR_OFFLOADED = ("keep", "offload")  # the actions a block may run without tba's hooks
 
 # NOTE [Enclosing compiled regions]
 # A compiled region hands autograd all its saved tensors when it ends, through the
@@ -211,12 +214,12 @@ class _Attached:
 
 
 def _enter_hook(tracker: weakref.ref[GroupTracker], rec: _Attached, i: int) -> Callable:
-    def enter(module: nn.Module, args: Any) -> None:
+    def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():
             return  # traced by dynamo: nothing of tba in the graph (NOTE [Compiled regions])
         t = tracker()
         if t is not None and t.current is rec:
-            t.enter_block(i, args, module)
+            t.enter_block(i, args, module, kwargs)
 
     return enter
 
@@ -227,7 +230,7 @@ def _exit_hook(tracker: weakref.ref[GroupTracker], rec: _Attached) -> Callable:
             return
         t = tracker()
         if t is not None and t.current is rec:
-            t.exit_block()
+            t.exit_block(output)
 
     return leave
 
@@ -253,6 +256,9 @@ class GroupTracker:
         self.fast_allowed = True
         self.fast_ok = False
         self.fast: str | None = None
+        # measures kept blocks and runs them without tba's hooks (NOTE [Kept blocks without
+        # hooks] in tba/datapath/blocks/kept.py); the Packer's, None: never
+        self.kept_blocks: KeptBlocks | None = None
         self.policy = "offload"  # TBA_POLICY (the Offloader's)
         self._unwrap: list[Callable[[], None]] = []
         self.actions_now: list[str] = []  # this step's action per block
@@ -338,7 +344,9 @@ class GroupTracker:
             rec = self._attached[model] = _Attached(model, detect_blocks(model))
             me = weakref.ref(self)
             for i, block in enumerate(rec.blocks):
-                rec.handles.append(block.register_forward_pre_hook(_enter_hook(me, rec, i)))
+                rec.handles.append(
+                    block.register_forward_pre_hook(_enter_hook(me, rec, i), with_kwargs=True)
+                )
                 rec.handles.append(block.register_forward_hook(_exit_hook(me, rec)))
         return rec
 
@@ -397,11 +405,14 @@ class GroupTracker:
         """The (StepState, GroupStat) a recompute wrapper runs in; (None, None) in windows."""
         return (self.step, self.stat) if self.by_model else (None, None)
 
-    def enter_block(self, i: int, args: Any, block: nn.Module | None = None) -> None:
+    def enter_block(
+        self, i: int, args: Any, block: nn.Module | None = None, kwargs: Any = None
+    ) -> None:
         self.entered += 1
         self.block = i
         self._switch(self.group + 1)
-        if user_checkpointed(block):  # left as it is (NOTE [Block policy], item 4)
+        top = top_hooks(False)
+        if user_checkpointed(block, top):  # left as it is (NOTE [Block policy], item 4)
             act = USER
             if self.step is not None and i < len(self.step.group_policy):
                 self.step.group_policy[i] = USER
@@ -421,8 +432,15 @@ class GroupTracker:
             self.stat.input_bytes = _tensor_bytes(args)
             if self.recomputing and self.step is not None:
                 self.step.recomputed_groups += 1
+        kb = self.kept_blocks
+        st, gs = self.step, self.stat
+        if kb is not None and self.fast_ok and act in KEPT_OR_OFFLOADED and st and gs:
+            kb.enter(st, gs, i, act, args, kwargs, block, top)
 
-    def exit_block(self) -> None:
+    def exit_block(self, output: Any = None) -> None:
+        kb = self.kept_blocks
+        if kb is not None and self.step is not None:
+            self.packed += kb.exit(self.step, output)
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
         self.recomputing = False
         self.fast_ok, self.fast = False, None

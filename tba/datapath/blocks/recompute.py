@@ -76,22 +76,24 @@ from .selective import Selective, kept_by_selective
 USER = "user"  # the action recorded for a block someone else already checkpoints
 
 
-def foreign_hooks_innermost() -> bool:
-    """True when the innermost saved-tensors hooks are someone else's than tba's
-    (tba.datapath.hook.OffloadHooks): a checkpoint's, ``save_on_cpu``'s, a recompute's."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+def foreign_hooks_innermost(top: Any = False) -> bool:
+    """True when the innermost saved-tensors hooks (``top``, found when not given) are someone
+    else's than tba's (tba.datapath.hook.OffloadHooks): a checkpoint's, ``save_on_cpu``'s, a
+    recompute's."""
+    if top is False:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
         return False
     return not getattr(getattr(top[0], "__self__", None), "tba_offload_hooks", False)
 
 
-def user_checkpointed(block: nn.Module | None) -> bool:
+def user_checkpointed(block: nn.Module | None, top: Any = False) -> bool:
     """True when the block entered now runs under someone else's checkpoint (item 4 of NOTE
     [Block policy]): foreign saved-tensor hooks innermost, grad off (a reentrant checkpoint
     pushes no hooks), or a transformers layer with gradient checkpointing on (transformers 5
     checkpoints the class's ``forward`` inside the module call, so at the block's hooks no
     checkpoint is running yet)."""
-    if foreign_hooks_innermost() or not torch.is_grad_enabled():
+    if foreign_hooks_innermost(top) or not torch.is_grad_enabled():
         return True
     return (
         block is not None

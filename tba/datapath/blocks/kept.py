@@ -1,0 +1,335 @@
+"""Blocks that tba keeps whole, left to autograd once measured.
+
+# NOTE [Kept blocks without hooks]
+A block whose saved tensors all stay in memory (a kept block; an offloaded block whose tensors
+are all under TBA_MIN_OFFLOAD_BYTES) gains nothing from tba's pack and unpack hooks: each of its
+tensors is kept as autograd would keep it, and the hooks only count. Yet inside the model each
+call costs several microseconds (cold code between kernels), which on a launch-bound step is the
+difference between tba costing nothing and costing a tenth of the step. So such a block is
+measured once per signature and then run with tba's hooks popped off autograd's stack:
+
+1. The signature: the block's index and action, grad and autocast modes, and each tensor among
+   its arguments (one level into tuples and lists) by shape, dtype, device, whether it requires
+   grad and whether tba already keeps its storage; other arguments by value (numbers, strings,
+   None) or type. The same module on the same signature saves the same tensors.
+2. Measuring: the block runs with the hooks, and at its exit what it added is read off the step
+   and its group: packs, kept tensors and their reasons, dedup hits, bytes, the storages it kept
+   (charged to the resident count). It qualifies only when every pack it made was kept on the
+   fast path or was another view of a storage tba keeps (NOTE [Hot path] in
+   tba/datapath/pack.py): no offload, no weight recipe, no subclass, no general-path keep.
+3. Credited: on a later step with the same signature, and only while tba's hooks are the top of
+   autograd's stack (a user's own hooks inside the step win) and grad is enabled, the hooks are
+   popped at the block's entry and pushed back at its exit (or at the end of the step, when the
+   block raised). Autograd saves the block's tensors itself, which is what tba would have done,
+   version checks included. At the exit the measurement's counts are added to the step and the
+   group (``kept_credited`` says how many packs were credited), the bytes it kept are charged to
+   the resident count, and the storages among its arguments and outputs that it kept are
+   registered as kept, so that what saves them after the block counts them as it did when
+   measured (a dedup hit, bytes counted once).
+4. One hook on the gradient of the block's first output that requires grad marks where
+   backward enters the block (its group's backward time, NOTE [Backward timing] in
+   tba/records/step.py) and ends the charge; so does dropping the graph, which frees the hook
+   and what it holds. The block's bytes are then still resident until its nodes have run, but
+   the step's peak, recorded as bytes are charged, is behind by then. Backward leaves the
+   block where the group below it starts; for the first block, a second hook on the gradient of
+   its first input marks it. A block none of whose inputs requires grad is never credited:
+   backward ends inside it, and only its unpacks could say when.
+5. Measured again after REMEASURE credits of one signature, or when the signature changes; a
+   block that did not qualify is tried again after REMEASURE steps. At most SIGNATURES
+   signatures are remembered per block.
+Not credited: compiled blocks, steps with a trace, and whenever the fast path is off (a chooser
+measures what blocks save: TBA_POLICY=auto or selective, TBA_BLOCK_POLICY).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ...records.handle import Credit, KeptHandle, kept_alias
+from ...records.index import Index
+from ...records.step import GroupStat, StepState
+
+REMEASURE = 64  # credits of one signature between two measurements
+SIGNATURES = 16  # per block, before the block's records are forgotten
+
+_autograd: Any = torch._C._autograd
+top_hooks = _autograd._top_saved_tensors_default_hooks  # (pack, unpack) innermost, or None
+_pop = _autograd._pop_saved_tensors_default_hooks
+_push = _autograd._push_saved_tensors_default_hooks
+_Compiled = torch._dynamo.eval_frame.OptimizedModule
+_cuda = torch.cuda.is_initialized
+
+
+def _tensors(args: Any, kwargs: Any, out: list[torch.Tensor], sig: list[Any]) -> None:
+    """Append the tensors among ``args`` and ``kwargs`` (one level into tuples and lists) to
+    ``out``, and what describes every argument to ``sig`` (item 1 of NOTE [Kept blocks without
+    hooks]; the kept flags are added by the caller)."""
+    items: list[Any] = list(args)
+    if kwargs:
+        for k, v in kwargs.items():
+            sig.append(k)
+            items.append(v)
+    for a in items:
+        if isinstance(a, (tuple, list)):
+            sig.append(len(a))
+            for b in a:
+                _one(b, out, sig)
+        else:
+            _one(a, out, sig)
+
+
+def _one(a: Any, out: list[torch.Tensor], sig: list[Any]) -> None:
+    if isinstance(a, torch.Tensor):
+        out.append(a)
+        sig.append((a.shape, a.dtype, a.device, a.requires_grad))
+    elif a is None or isinstance(a, (bool, int, float, str)):
+        sig.append(a)
+    else:
+        sig.append(type(a))
+
+
+def _outputs(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [o for o in output if isinstance(o, torch.Tensor)]
+    return []
+
+
+class Measured:
+    """What one block added to its step and group on one signature (item 2)."""
+
+    __slots__ = (
+        "ok",
+        "credits",
+        "packs",
+        "kept",
+        "fast",
+        "kept_dedup",
+        "dedup",
+        "reasons",
+        "reason_items",
+        "saved",
+        "tensors",
+        "packed",
+        "kept_bytes",
+        "keepable",
+        "sizes",
+        "charge",
+        "positions",
+    )
+
+    def __init__(self, ok: bool):
+        self.ok = ok
+        self.credits = 0
+        self.packs = self.kept = self.fast = self.kept_dedup = self.dedup = self.saved = 0
+        self.tensors = self.packed = self.kept_bytes = self.keepable = self.charge = 0
+        self.reasons: Counter[str] = Counter()
+        self.reason_items: list[tuple[str, int]] = []
+        self.sizes: list[int] = []
+        # indices into (inputs + outputs) of the tensors whose storages the block kept
+        self.positions: list[int] = []
+
+
+class _Open:
+    """The block the forward is in: measuring it, or running it credited."""
+
+    __slots__ = ("block", "key", "inputs", "stat", "measured", "before", "popped")
+
+    def __init__(self, block: int, key: Any, inputs: list[torch.Tensor], stat: GroupStat):
+        self.block = block
+        self.key = key
+        self.inputs = inputs
+        self.stat = stat
+        self.measured: Measured | None = None  # credited: the measurement it is credited
+        self.before: Any = None  # measuring: the step's counters and kept storages at entry
+        self.popped: Any = None  # credited: tba's hooks, popped at entry
+
+
+class KeptBlocks:
+    """Measures kept blocks and runs them credited, without tba's hooks (see the NOTE)."""
+
+    def __init__(self, lock: Any, index: Index, allowed: bool):
+        self.lock = lock
+        self.index = index
+        self.allowed = allowed  # off under a trace
+        self.hooks: Any = None  # the step's OffloadHooks while it is entered
+        self._records: dict[int, dict[Any, Measured]] = {}
+        self._open: _Open | None = None
+
+    def enter(
+        self,
+        step: StepState,
+        stat: GroupStat,
+        block: int,
+        action: str,
+        args: Any,
+        kwargs: Any,
+        module: Any,
+        top: Any,
+    ) -> None:
+        """The forward enters block ``block`` with its fast path open (NOTE [Hot path]);
+        ``top``: the innermost saved-tensor hooks."""
+        self._open = None
+        if (
+            not self.allowed
+            or top is None
+            or getattr(top[0], "__self__", None) is not self.hooks
+            or isinstance(module, _Compiled)
+        ):
+            return
+        inputs: list[torch.Tensor] = []
+        sig: list[Any] = [action]
+        if torch.is_autocast_enabled("cpu"):
+            sig.append(torch.get_autocast_dtype("cpu"))
+        if _cuda() and torch.is_autocast_enabled("cuda"):
+            sig.append(torch.get_autocast_dtype("cuda"))
+        _tensors(args, kwargs, inputs, sig)
+        if not any(t.requires_grad for t in inputs):
+            return  # backward ends in this block: only its unpacks can say when (item 4)
+        kept = self.index.kept
+        for t in inputs:
+            sig.append(t.untyped_storage()._cdata in kept)
+        key = tuple(sig)
+        records = self._records.get(block)
+        if records is None:
+            records = self._records[block] = {}
+        m = records.get(key)
+        op = _Open(block, key, inputs, stat)
+        if m is not None and m.credits < REMEASURE:
+            m.credits += 1
+            if m.ok:  # credited (item 3)
+                _pop()
+                op.popped = top
+                op.measured = m
+                self._open = op
+            return  # else: did not qualify, runs with the hooks until it is tried again
+        if m is None and len(records) >= SIGNATURES:
+            records.clear()
+        with self.lock:
+            op.before = (
+                step.packs,
+                step.tensors_kept,
+                step.kept_fast,
+                step.kept_dedup,
+                step.dedup_hits,
+                step.saved_bytes,
+                Counter(step.kept_reasons),
+                set(kept),
+            )
+        self._open = op
+
+    def exit(self, step: StepState, output: Any) -> int:
+        """The block returned ``output``; returns the bytes a credited block adds to the
+        tracker's pack count (0 otherwise)."""
+        op = self._open
+        if op is None:
+            return 0
+        self._open = None
+        if op.popped is not None:
+            _push(*op.popped)
+            return self._credit(step, op, output)
+        self._measure(step, op, output)
+        return 0
+
+    def restore(self) -> None:
+        """The step ends: put tba's hooks back if a credited block raised (so its exit never
+        ran), before the step's own exit pops them."""
+        op = self._open
+        self._open = None
+        if op is not None and op.popped is not None:
+            _push(*op.popped)
+
+    def _measure(self, step: StepState, op: _Open, output: Any) -> None:
+        gs = op.stat
+        with self.lock:
+            packs, kept_n, fast, kdedup, dedup, saved, reasons, before = op.before
+            m = Measured(False)
+            m.packs = step.packs - packs
+            m.kept = step.tensors_kept - kept_n
+            m.fast = step.kept_fast - fast
+            m.kept_dedup = step.kept_dedup - kdedup
+            m.dedup = step.dedup_hits - dedup
+            m.saved = step.saved_bytes - saved
+            m.reasons = Counter(step.kept_reasons)
+            m.reasons.subtract(reasons)
+            m.reason_items = list((+m.reasons).items())
+            m.ok = (
+                m.packs == m.fast + m.kept_dedup
+                and m.kept == m.fast
+                and m.dedup == m.kept_dedup
+                and sum(m.reasons.values()) == m.fast
+            )
+            if m.ok:
+                m.tensors = gs.tensors
+                m.packed = gs.packed_bytes
+                m.kept_bytes = gs.kept_bytes
+                m.keepable = gs.keepable_bytes
+                m.sizes = list(gs.sizes)
+                new = {c: e for c, e in self.index.kept.items() if c not in before}
+                charge = sum(e.nbytes for e in new.values())
+                for i, t in enumerate(op.inputs + _outputs(output)):
+                    cdata = t.untyped_storage()._cdata
+                    e = new.pop(cdata, None)
+                    if e is not None:
+                        m.positions.append(i)
+                        charge -= e.nbytes
+                m.charge = charge
+        self._records[op.block][op.key] = m
+
+    def _credit(self, step: StepState, op: _Open, output: Any) -> int:
+        m = op.measured
+        assert m is not None
+        gs = op.stat
+        index = self.index
+        outs = _outputs(output)
+        credit = Credit(index.graveyard, m.charge)
+        with self.lock:
+            step.packs += m.packs
+            step.tensors_kept += m.kept
+            step.kept_fast += m.fast
+            step.kept_dedup += m.kept_dedup
+            step.dedup_hits += m.dedup
+            step.kept_credited += m.packs
+            step.saved_bytes += m.saved
+            reasons = step.kept_reasons
+            for r, n in m.reason_items:
+                reasons[r] += n
+            gs.tensors += m.tensors
+            gs.packed_bytes += m.packed
+            gs.saved_bytes += m.saved
+            gs.sizes.extend(m.sizes)
+            gs.kept_bytes += m.kept_bytes
+            gs.keepable_bytes += m.keepable
+            index.charge(m.charge)
+            if m.positions:
+                both = op.inputs + outs
+                held = []
+                for i in m.positions:
+                    t = both[i]
+                    storage = t.untyped_storage()
+                    cdata = storage._cdata
+                    e = index.kept_entry(storage, cdata, storage.nbytes())
+                    step.seen.setdefault(cdata, e)
+                    held.append(KeptHandle(kept_alias(t), t._version, e, gs))
+                credit.held = held
+        last = next((t for t in outs if t.requires_grad), None)
+        clock = step.clock
+        if last is not None:  # item 4: backward enters the block
+
+            def reached(grad: torch.Tensor) -> None:
+                gs.unpacked(clock())
+                credit.release()
+
+            last.register_hook(reached)
+        if op.block == 0:  # where backward leaves the first block (item 4)
+            first = next(t for t in op.inputs if t.requires_grad)
+
+            def left(grad: torch.Tensor) -> None:
+                gs.unpacked(clock())
+
+            first.register_hook(left)
+        return m.packed
