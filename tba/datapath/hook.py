@@ -15,6 +15,7 @@ import torch
 
 from ..records.handle import Handle, KeptHandle, Passed
 from ..records.step import StepState
+from .blocks.kept import top_hooks
 from .capture.derived import Derived
 from .capture.dtensor import DTensorHandle
 from .pack import Packer
@@ -84,10 +85,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self.pack, self.unpack)
 
     def __enter__(self) -> None:
-        super().__enter__()
         kb = self.packer.groups.kept_blocks
-        if kb is not None:
-            kb.hooks = self  # NOTE [Kept blocks without hooks] in tba/datapath/blocks/kept.py
+        if kb is not None:  # NOTE [Kept blocks without hooks] in tba/datapath/blocks/kept.py:
+            alone = top_hooks(False) is None  # only when no other hooks are below these
+            kb.hooks = self if alone else None
+        super().__enter__()
 
     def __exit__(self, *args: object) -> None:
         kb = self.packer.groups.kept_blocks

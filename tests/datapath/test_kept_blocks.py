@@ -49,8 +49,8 @@ def _train(off, model, steps, batch=4):
 
 @pytest.mark.parametrize(
     "cfg",
-    [{"policy": "keep"}, {"keep_last": 2}, {"min_offload_bytes": "1MiB"}],
-    ids=["keep", "keep_last", "all_small"],
+    [{"policy": "keep"}, {"keep_last": 2}, {"min_offload_bytes": "1MiB"}, {"policy": "recompute"}],
+    ids=["keep", "keep_last", "all_small", "recompute"],
 )
 def test_credited_steps_count_and_compute_what_measured_steps_do(make_offloader, cfg):
     torch.manual_seed(0)
@@ -71,7 +71,7 @@ def test_credited_steps_count_and_compute_what_measured_steps_do(make_offloader,
     blocks = off.stats()["group_policy"]
     credited = got[-1][3][1]["kept_credited"]
     assert 0 < credited < got[-1][3][1]["packs"]  # the head and the embedding took the hooks
-    assert blocks.count("keep") >= 2 or cfg.get("min_offload_bytes")
+    assert blocks.count("keep") >= 2 or "min_offload_bytes" in cfg or "policy" in cfg
 
 
 def test_a_block_that_raises_leaves_the_hooks_in_place(make_offloader):
@@ -120,6 +120,19 @@ def test_users_hooks_inside_the_step_take_the_blocks_tensors(make_offloader):
         loss = model(*random_batch(CFG, 4, seed=1))
     loss.backward()
     assert seen and off.stats()["kept_credited"] == 0 and off.stats()["packs"] == 0
+
+
+def test_hooks_below_tbas_leave_every_block_to_tba(make_offloader):
+    """With a user's hooks opened around the step, popping tba's would hand the blocks'
+    tensors to them: nothing is credited, tba packs every block, as when measuring."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    off = make_offloader(policy="keep")
+    measured = _train(off, model, 1)[0][3][1]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        got = _train(off, model, 2)
+    for *_, (_, st) in got:
+        assert st["kept_credited"] == 0 and st["packs"] == measured["packs"]
 
 
 def test_a_graph_dropped_without_backward_ends_its_charge(make_offloader):

@@ -78,7 +78,7 @@ from .kept import KeptBlocks, top_hooks
 from .recompute import USER, Recompute, user_checkpointed
 from .selective import compiled
 
-KEPT_OR_OFFLOADED = ("keep", "offload")  # the actions a block may run without tba's hooks
+BARE = ("keep", "offload", "recompute")  # the actions a block may run without tba's hooks
 
 # NOTE [Enclosing compiled regions]
 # A compiled region hands autograd all its saved tensors when it ends, through the
@@ -434,7 +434,7 @@ class GroupTracker:
                 self.step.recomputed_groups += 1
         kb = self.kept_blocks
         st, gs = self.step, self.stat
-        if kb is not None and self.fast_ok and act in KEPT_OR_OFFLOADED and st and gs:
+        if kb is not None and self.fast_ok and act in BARE and st and gs:
             kb.enter(st, gs, i, act, args, kwargs, block, top)
 
     def exit_block(self, output: Any = None) -> None:

@@ -8,10 +8,11 @@ call costs several microseconds (cold code between kernels), which on a launch-b
 difference between tba costing nothing and costing a tenth of the step. So such a block is
 measured once per signature and then run with tba's hooks popped off autograd's stack:
 
-1. The signature: the block's index and action, grad and autocast modes, and each tensor among
-   its arguments (one level into tuples and lists) by shape, dtype, device, whether it requires
-   grad and whether tba already keeps its storage; other arguments by value (numbers, strings,
-   None) or type. The same module on the same signature saves the same tensors.
+1. The signature: the block's index and action, and what a recomputed block's signature holds
+   (item 5 of NOTE [Block policy] in tba/datapath/blocks/recompute.py: its arguments' shapes,
+   dtypes and devices, its other arguments, its training flag, autocast's state), with whether
+   tba already keeps each tensor argument's storage. The same module on the same signature
+   saves the same tensors.
 2. Measuring: the block runs with the hooks, and at its exit what it added is read off the step
    and its group: packs, kept tensors and their reasons, dedup hits, bytes, the storages it kept
    (charged to the resident count). It qualifies only when every pack it made was kept on the
@@ -21,11 +22,11 @@ measured once per signature and then run with tba's hooks popped off autograd's 
    autograd's stack (a user's own hooks inside the step win) and grad is enabled, the hooks are
    popped at the block's entry and pushed back at its exit (or at the end of the step, when the
    block raised). Autograd saves the block's tensors itself, which is what tba would have done,
-   version checks included. At the exit the measurement's counts are added to the step and the
-   group (``kept_credited`` says how many packs were credited), the bytes it kept are charged to
-   the resident count, and the storages among its arguments and outputs that it kept are
-   registered as kept, so that what saves them after the block counts them as it did when
-   measured (a dedup hit, bytes counted once).
+   version checks included. At the exit the bytes it kept are charged to the resident count
+   and the measurement's counts are queued, added to the step and the group when the step
+   ends (``kept_credited`` says how many packs were credited), and the storages among its
+   arguments and outputs that it kept are registered as kept, so that what saves them after
+   the block counts them as it did when measured (a dedup hit, bytes counted once).
 4. One hook on the gradient of the block's first output that requires grad marks where
    backward enters the block (its group's backward time, NOTE [Backward timing] in
    tba/records/step.py) and ends the charge; so does dropping the graph, which frees the hook
@@ -51,6 +52,7 @@ import torch
 from ...records.handle import Credit, KeptHandle, kept_alias
 from ...records.index import Index
 from ...records.step import GroupStat, StepState
+from .recompute import signature
 
 REMEASURE = 64  # credits of one signature between two measurements
 SIGNATURES = 16  # per block, before the block's records are forgotten
@@ -60,35 +62,6 @@ top_hooks = _autograd._top_saved_tensors_default_hooks  # (pack, unpack) innermo
 _pop = _autograd._pop_saved_tensors_default_hooks
 _push = _autograd._push_saved_tensors_default_hooks
 _Compiled = torch._dynamo.eval_frame.OptimizedModule
-_cuda = torch.cuda.is_initialized
-
-
-def _tensors(args: Any, kwargs: Any, out: list[torch.Tensor], sig: list[Any]) -> None:
-    """Append the tensors among ``args`` and ``kwargs`` (one level into tuples and lists) to
-    ``out``, and what describes every argument to ``sig`` (item 1 of NOTE [Kept blocks without
-    hooks]; the kept flags are added by the caller)."""
-    items: list[Any] = list(args)
-    if kwargs:
-        for k, v in kwargs.items():
-            sig.append(k)
-            items.append(v)
-    for a in items:
-        if isinstance(a, (tuple, list)):
-            sig.append(len(a))
-            for b in a:
-                _one(b, out, sig)
-        else:
-            _one(a, out, sig)
-
-
-def _one(a: Any, out: list[torch.Tensor], sig: list[Any]) -> None:
-    if isinstance(a, torch.Tensor):
-        out.append(a)
-        sig.append((a.shape, a.dtype, a.device, a.requires_grad))
-    elif a is None or isinstance(a, (bool, int, float, str)):
-        sig.append(a)
-    else:
-        sig.append(type(a))
 
 
 def _outputs(output: Any) -> list[torch.Tensor]:
@@ -97,6 +70,26 @@ def _outputs(output: Any) -> list[torch.Tensor]:
     if isinstance(output, (tuple, list)):
         return [o for o in output if isinstance(o, torch.Tensor)]
     return []
+
+
+def _add(step: StepState, m: Measured, gs: GroupStat) -> None:
+    """Count a credited block's measurement into its step and group. Lock held."""
+    step.packs += m.packs
+    step.tensors_kept += m.kept
+    step.kept_fast += m.fast
+    step.kept_dedup += m.kept_dedup
+    step.dedup_hits += m.dedup
+    step.kept_credited += m.packs
+    step.saved_bytes += m.saved
+    reasons = step.kept_reasons
+    for r, n in m.reason_items:
+        reasons[r] += n
+    gs.tensors += m.tensors
+    gs.packed_bytes += m.packed
+    gs.saved_bytes += m.saved
+    gs.sizes.extend(m.sizes)
+    gs.kept_bytes += m.kept_bytes
+    gs.keepable_bytes += m.keepable
 
 
 class Measured:
@@ -159,6 +152,7 @@ class KeptBlocks:
         self.hooks: Any = None  # the step's OffloadHooks while it is entered
         self._records: dict[int, dict[Any, Measured]] = {}
         self._open: _Open | None = None
+        self._pending: list[tuple[StepState, Measured, GroupStat]] = []  # credited, not counted
 
     def enter(
         self,
@@ -182,18 +176,11 @@ class KeptBlocks:
         ):
             return
         inputs: list[torch.Tensor] = []
-        sig: list[Any] = [action]
-        if torch.is_autocast_enabled("cpu"):
-            sig.append(torch.get_autocast_dtype("cpu"))
-        if _cuda() and torch.is_autocast_enabled("cuda"):
-            sig.append(torch.get_autocast_dtype("cuda"))
-        _tensors(args, kwargs, inputs, sig)
+        described = signature(module, args, kwargs or {}, inputs)
         if not any(t.requires_grad for t in inputs):
             return  # backward ends in this block: only its unpacks can say when (item 4)
         kept = self.index.kept
-        for t in inputs:
-            sig.append(t.untyped_storage()._cdata in kept)
-        key = tuple(sig)
+        key = (action, described, tuple(t.untyped_storage()._cdata in kept for t in inputs))
         records = self._records.get(block)
         if records is None:
             records = self._records[block] = {}
@@ -242,6 +229,12 @@ class KeptBlocks:
         self._open = None
         if op is not None and op.popped is not None:
             _push(*op.popped)
+        pending = self._pending
+        if pending:
+            with self.lock:
+                for step, m, gs in pending:
+                    _add(step, m, gs)
+            pending.clear()
 
     def _measure(self, step: StepState, op: _Open, output: Any) -> None:
         gs = op.stat
@@ -253,7 +246,8 @@ class KeptBlocks:
             m.fast = step.kept_fast - fast
             m.kept_dedup = step.kept_dedup - kdedup
             m.dedup = step.dedup_hits - dedup
-            m.saved = step.saved_bytes - saved
+            # less what a recomputed block's checkpoint saved: Recompute credits that itself
+            m.saved = step.saved_bytes - saved - gs.hidden_bytes
             m.reasons = Counter(step.kept_reasons)
             m.reasons.subtract(reasons)
             m.reason_items = list((+m.reasons).items())
@@ -287,23 +281,8 @@ class KeptBlocks:
         index = self.index
         outs = _outputs(output)
         credit = Credit(index.graveyard, m.charge)
+        self._pending.append((step, m, gs))  # counted when the step ends, in one go
         with self.lock:
-            step.packs += m.packs
-            step.tensors_kept += m.kept
-            step.kept_fast += m.fast
-            step.kept_dedup += m.kept_dedup
-            step.dedup_hits += m.dedup
-            step.kept_credited += m.packs
-            step.saved_bytes += m.saved
-            reasons = step.kept_reasons
-            for r, n in m.reason_items:
-                reasons[r] += n
-            gs.tensors += m.tensors
-            gs.packed_bytes += m.packed
-            gs.saved_bytes += m.saved
-            gs.sizes.extend(m.sizes)
-            gs.kept_bytes += m.kept_bytes
-            gs.keepable_bytes += m.keepable
             index.charge(m.charge)
             if m.positions:
                 both = op.inputs + outs

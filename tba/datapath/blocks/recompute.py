@@ -192,7 +192,7 @@ class Recompute:
         by_sig = self.measured.get(block)
         if by_sig is None:
             by_sig = self.measured[block] = {}
-        sig = _signature(block, args, kwargs)
+        sig = signature(block, args, kwargs)
         known = by_sig.get(sig)
         if known is None:
             added: set[int] = set()
@@ -257,23 +257,28 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
 
 
-def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def signature(
+    block: nn.Module, args: tuple, kwargs: dict, tensors: list[torch.Tensor] | None = None
+) -> tuple:
     """What decides which tensors a block's forward saves, and how large (item 5 of the NOTE):
     its tensor arguments' shapes, dtypes and devices, its other arguments (by value when a
-    plain scalar, else by type), its training flag and autocast's state."""
-
-    def one(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return (v.shape, v.dtype, v.device, v.requires_grad, v.layout)
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        if isinstance(v, (tuple, list)):
-            return tuple(one(x) for x in v)
-        if isinstance(v, dict):
-            return tuple((k, one(x)) for k, x in v.items())
-        return type(v)
-
+    plain scalar, else by type), its training flag and autocast's state. The tensors found are
+    appended to ``tensors`` when given."""
     cast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
-    return (one(args), one(kwargs), block.training, cast)
+    return (_described(args, tensors), _described(kwargs, tensors), block.training, cast)
+
+
+def _described(v: Any, tensors: list[torch.Tensor] | None) -> Any:
+    if isinstance(v, torch.Tensor):
+        if tensors is not None:
+            tensors.append(v)
+        return (v.shape, v.dtype, v.device, v.requires_grad, v.layout)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_described(x, tensors) for x in v)
+    if isinstance(v, dict):
+        return tuple((k, _described(x, tensors)) for k, x in v.items())
+    return type(v)
