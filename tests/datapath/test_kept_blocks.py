@@ -41,6 +41,7 @@ def _train(off, model, steps, batch=4):
         if off is None:
             out.append((loss.detach(), grads, None, None))
             continue
+        off.synchronize()  # writes counted once they end (NOTE [Counted once])
         st = off.stats()
         recs = [{k: r[k] for k in RECORD} for r in off._last.group_records()]
         out.append((loss.detach(), grads, {k: st[k] for k in COUNTS}, (recs, st)))
