@@ -221,3 +221,55 @@ def test_no_credit_while_a_chooser_measures_or_a_trace_records(make_offloader, t
     for cfg in ({"policy": "auto"}, {"policy": "keep", "trace": str(tmp_path / "t.jsonl")}):
         off = make_offloader(**cfg)
         assert all(r[3][1]["kept_credited"] == 0 for r in _train(off, model, 3))
+
+
+class _Stack(nn.Module):
+    def __init__(self, width, lead=True):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8 if i == 0 else width, width), nn.Tanh()) for i in range(3)
+        )
+        self.out = nn.Linear(width, 8)
+        self.lead = lead  # an op before the blocks: the first block's input has a grad_fn
+
+    def forward(self, x):
+        if self.lead:
+            x = x * 2
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x).sum()
+
+
+def test_two_models_taking_turns_keep_their_own_measurements(make_offloader):
+    """Measurements belong to the block module: two models of one Offloader, alternating (their
+    first blocks on the same signature), each count what a measured step of their own counts."""
+    torch.manual_seed(0)
+    models = [_Stack(8), _Stack(16)]
+    off = make_offloader(policy="keep")
+    x = torch.randn(4, 8, requires_grad=True)
+    first: dict[int, dict] = {}
+    for s in range(6):
+        m = models[s % 2]
+        with off.step(m):
+            loss = m(x)
+        loss.backward()
+        st = off.stats()
+        got = {k: st[k] for k in ("packs", "saved_bytes", "tensors_kept", "peak_resident_bytes")}
+        got["sizes"] = off._last.group_records()[1]["sizes"]  # the first block's
+        assert first.setdefault(s % 2, got) == got
+        assert (st["kept_credited"] >= 3) == (s >= 2)
+
+
+def test_no_hook_piles_up_on_a_leaf_input(make_offloader):
+    """The first block fed a leaf directly is not credited: a hook on the leaf's gradient would
+    stay on it for good, one more each step."""
+    torch.manual_seed(0)
+    model = _Stack(8, lead=False)
+    off = make_offloader(policy="keep")
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(3):
+        with off.step(model):
+            loss = model(x)
+        loss.backward()
+    assert off.stats()["kept_credited"] > 0  # the other blocks are
+    assert not x._backward_hooks

@@ -33,8 +33,9 @@ measured once per signature and then run with tba's hooks popped off autograd's 
    and what it holds. The block's bytes are then still resident until its nodes have run, but
    the step's peak, recorded as bytes are charged, is behind by then. Backward leaves the
    block where the group below it starts; for the first block, a second hook on the gradient of
-   its first input marks it. A block none of whose inputs requires grad is never credited:
-   backward ends inside it, and only its unpacks could say when.
+   its first input with a grad_fn marks it (a leaf's hooks would outlive the step). A block none
+   of whose inputs requires grad, or a first block none of whose inputs has a grad_fn, is never
+   credited: backward ends inside it, and only its unpacks could say when.
 5. Measured again after REMEASURE credits of one signature, or when the signature changes; a
    block that did not qualify is tried again after REMEASURE steps. At most SIGNATURES
    signatures are remembered per block.
@@ -44,6 +45,7 @@ measures what blocks save: TBA_POLICY=auto or selective, TBA_BLOCK_POLICY).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -130,10 +132,18 @@ class Measured:
 class _Open:
     """The block the forward is in: measuring it, or running it credited."""
 
-    __slots__ = ("block", "key", "inputs", "stat", "measured", "before", "popped")
+    __slots__ = ("block", "records", "key", "inputs", "stat", "measured", "before", "popped")
 
-    def __init__(self, block: int, key: Any, inputs: list[torch.Tensor], stat: GroupStat):
+    def __init__(
+        self,
+        block: int,
+        records: dict[Any, Measured],
+        key: Any,
+        inputs: list[torch.Tensor],
+        stat: GroupStat,
+    ):
         self.block = block
+        self.records = records  # the block's measurements
         self.key = key
         self.inputs = inputs
         self.stat = stat
@@ -150,7 +160,10 @@ class KeptBlocks:
         self.index = index
         self.allowed = allowed  # off under a trace
         self.hooks: Any = None  # the step's OffloadHooks while it is entered
-        self._records: dict[int, dict[Any, Measured]] = {}
+        # per block module (two models may take turns): signature -> its measurement
+        self._records: weakref.WeakKeyDictionary[Any, dict[Any, Measured]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._open: _Open | None = None
         self._pending: list[tuple[StepState, Measured, GroupStat]] = []  # credited, not counted
 
@@ -172,20 +185,23 @@ class KeptBlocks:
             not self.allowed
             or top is None
             or getattr(top[0], "__self__", None) is not self.hooks
+            or module is None
             or isinstance(module, _Compiled)
         ):
             return
         inputs: list[torch.Tensor] = []
         described = signature(module, args, kwargs or {}, inputs)
-        if not any(t.requires_grad for t in inputs):
+        if not any(t.grad_fn is not None for t in inputs) and (
+            block == 0 or not any(t.requires_grad for t in inputs)
+        ):
             return  # backward ends in this block: only its unpacks can say when (item 4)
         kept = self.index.kept
         key = (action, described, tuple(t.untyped_storage()._cdata in kept for t in inputs))
-        records = self._records.get(block)
+        records = self._records.get(module)
         if records is None:
-            records = self._records[block] = {}
+            records = self._records[module] = {}
         m = records.get(key)
-        op = _Open(block, key, inputs, stat)
+        op = _Open(block, records, key, inputs, stat)
         if m is not None and m.credits < REMEASURE:
             m.credits += 1
             if m.ok:  # credited (item 3)
@@ -272,7 +288,7 @@ class KeptBlocks:
                         m.positions.append(i)
                         charge -= e.nbytes
                 m.charge = charge
-        self._records[op.block][op.key] = m
+        op.records[op.key] = m
 
     def _credit(self, step: StepState, op: _Open, output: Any) -> int:
         m = op.measured
@@ -295,7 +311,7 @@ class KeptBlocks:
                     step.seen.setdefault(cdata, e)
                     held.append(KeptHandle(kept_alias(t), t._version, e, gs))
                 credit.held = held
-        last = next((t for t in outs if t.requires_grad), None)
+        last = next((t for t in outs if t.grad_fn is not None), None)
         clock = step.clock
         if last is not None:  # item 4: backward enters the block
 
@@ -305,7 +321,7 @@ class KeptBlocks:
 
             last.register_hook(reached)
         if op.block == 0:  # where backward leaves the first block (item 4)
-            first = next(t for t in op.inputs if t.requires_grad)
+            first = next(t for t in op.inputs if t.grad_fn is not None)
 
             def left(grad: torch.Tensor) -> None:
                 gs.unpacked(clock())
