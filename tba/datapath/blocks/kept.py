@@ -27,7 +27,7 @@ measured once per signature and then run with tba's hooks popped off autograd's 
    ends (``kept_credited`` says how many packs were credited), and the storages among its
    arguments and outputs that it kept are registered as kept, so that what saves them after
    the block counts them as it did when measured (a dedup hit, bytes counted once).
-4. One hook on the gradient of the block's first output that requires grad marks where
+4. One hook on the gradient of the block's first output with a grad_fn marks where
    backward enters the block (its group's backward time, NOTE [Backward timing] in
    tba/records/step.py) and ends the charge; so does dropping the graph, which frees the hook
    and what it holds. The block's bytes are then still resident until its nodes have run, but
@@ -191,12 +191,16 @@ class KeptBlocks:
             return
         inputs: list[torch.Tensor] = []
         described = signature(module, args, kwargs or {}, inputs)
-        if not any(t.grad_fn is not None for t in inputs) and (
-            block == 0 or not any(t.requires_grad for t in inputs)
-        ):
-            return  # backward ends in this block: only its unpacks can say when (item 4)
         kept = self.index.kept
-        key = (action, described, tuple(t.untyped_storage()._cdata in kept for t in inputs))
+        flags = []
+        reached = False  # backward goes on below this block (item 4)
+        for t in inputs:
+            flags.append(t.untyped_storage()._cdata in kept)
+            if t.grad_fn is not None or (block and t.requires_grad):
+                reached = True
+        if not reached:
+            return  # backward ends in this block: only its unpacks can say when (item 4)
+        key = (action, described, tuple(flags))
         records = self._records.get(module)
         if records is None:
             records = self._records[module] = {}
@@ -315,16 +319,16 @@ class KeptBlocks:
         clock = step.clock
         if last is not None:  # item 4: backward enters the block
 
-            def reached(grad: torch.Tensor) -> None:
+            def reached(grads: Any) -> None:
                 gs.unpacked(clock())
                 credit.release()
 
-            last.register_hook(reached)
+            last.grad_fn.register_prehook(reached)  # as a hook on its gradient, but cheaper
         if op.block == 0:  # where backward leaves the first block (item 4)
             first = next(t for t in op.inputs if t.grad_fn is not None)
 
-            def left(grad: torch.Tensor) -> None:
+            def left(grads: Any) -> None:
                 gs.unpacked(clock())
 
-            first.register_hook(left)
+            first.grad_fn.register_prehook(left)
         return m.packed

@@ -95,11 +95,12 @@ def user_checkpointed(block: nn.Module | None, top: Any = False) -> bool:
     checkpoint is running yet)."""
     if foreign_hooks_innermost(top) or not torch.is_grad_enabled():
         return True
-    return (
-        block is not None
-        and getattr(block, "gradient_checkpointing", False) is True
-        and block.training
-    )
+    if block is None or not block.training:
+        return False
+    on = block.__dict__.get("gradient_checkpointing")  # no Module.__getattr__ on a miss
+    if on is None:
+        on = getattr(type(block), "gradient_checkpointing", False)
+    return on is True
 
 
 class Recompute:
@@ -263,11 +264,15 @@ def signature(
     """What decides which tensors a block's forward saves, and how large (item 5 of the NOTE):
     its tensor arguments' shapes, dtypes and devices, its other arguments (by value when a
     plain scalar, else by type), its training flag and autocast's state. The tensors found are
-    appended to ``tensors`` when given."""
-    cast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    appended to ``tensors`` when given. Built for every block of every step: no generators."""
+    cast = (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
     )
-    return (_described(args, tensors), _described(kwargs, tensors), block.training, cast)
+    described = _described(args, tensors), _described(kwargs, tensors) if kwargs else ()
+    return (*described, block.training, cast)
 
 
 def _described(v: Any, tensors: list[torch.Tensor] | None) -> Any:
@@ -278,7 +283,7 @@ def _described(v: Any, tensors: list[torch.Tensor] | None) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (tuple, list)):
-        return tuple(_described(x, tensors) for x in v)
+        return tuple([_described(x, tensors) for x in v])
     if isinstance(v, dict):
-        return tuple((k, _described(x, tensors)) for k, x in v.items())
+        return tuple([(k, _described(x, tensors)) for k, x in v.items()])
     return type(v)
