@@ -315,7 +315,7 @@ class KeptBlocks:
                     step.seen.setdefault(cdata, e)
                     held.append(KeptHandle(kept_alias(t), t._version, e, gs))
                 credit.held = held
-        last = next((t for t in outs if t.grad_fn is not None), None)
+        last = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         clock = step.clock
         if last is not None:  # item 4: backward enters the block
 
@@ -323,12 +323,12 @@ class KeptBlocks:
                 gs.unpacked(clock())
                 credit.release()
 
-            last.grad_fn.register_prehook(reached)  # as a hook on its gradient, but cheaper
+            last.register_prehook(reached)  # as a hook on the output's gradient, but cheaper
         if op.block == 0:  # where backward leaves the first block (item 4)
-            first = next(t for t in op.inputs if t.grad_fn is not None)
+            first = next(t.grad_fn for t in op.inputs if t.grad_fn is not None)
 
             def left(grads: Any) -> None:
                 gs.unpacked(clock())
 
-            first.grad_fn.register_prehook(left)
+            first.register_prehook(left)
         return m.packed
