@@ -93,8 +93,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *args: object) -> None:
         kb = self.packer.groups.kept_blocks
-        if kb is not None:
-            kb.restore()  # a block run without these hooks raised: they go back on first
+        if kb is not None:  # hooks popped for a block that raised, or for the head: back first
+            kb.restore(self.st, failed=args[0] is not None)
             kb.hooks = None
         super().__exit__(*args)
 

@@ -230,7 +230,7 @@ def _exit_hook(tracker: weakref.ref[GroupTracker], rec: _Attached) -> Callable:
             return
         t = tracker()
         if t is not None and t.current is rec:
-            t.exit_block(output)
+            t.exit_block(output, module)
 
     return leave
 
@@ -437,17 +437,20 @@ class GroupTracker:
         if kb is not None and self.fast_ok and act in BARE and st and gs:
             kb.enter(st, gs, i, act, args, kwargs, block, top)
 
-    def exit_block(self, output: Any = None) -> None:
+    def exit_block(self, output: Any = None, block: nn.Module | None = None) -> None:
         kb = self.kept_blocks
         if kb is not None and self.step is not None:
             self.packed += kb.exit(self.step, output)
         self._switch(self.group + 1)  # what runs between or after blocks is a group of its own
         self.recomputing = False
         self.fast_ok, self.fast = False, None
-        if self.block == self.n_blocks - 1 and self.head_kept:
+        last = self.block == self.n_blocks - 1
+        if last and self.head_kept:
             self.kept = True
         if self.kept and self.stat is not None:
             self.stat.kept = True  # after a kept block (the head): kept too
+            if last and kb is not None and self.fast_allowed and not self.after_region:
+                kb.enter_head(self.step, self.stat, block, output)
 
     def _switch(self, group: int) -> None:
         """The forward moves on to ``group``: close the current group's forward time."""

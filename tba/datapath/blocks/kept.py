@@ -36,6 +36,13 @@ measured once per signature and then run with tba's hooks popped off autograd's 
    its first input with a grad_fn marks it (a leaf's hooks would outlive the step). A block none
    of whose inputs requires grad, or a first block none of whose inputs has a grad_fn, is never
    credited: backward ends inside it, and only its unpacks could say when.
+6. The head (what the forward saves after the last block until the step ends: the final norm,
+   the LM head, the loss), when it is kept and nothing was offloaded earlier in the step, is a
+   region of the same kind, entered at the last block's exit with the signature of what that
+   block returned, and left when the step ends: its counts are credited then, and its charge
+   ends when backward leaves it (a prehook on the last block's output node). Its own backward
+   time is then not measured (nothing was offloaded: no read waits on it). A step that raises
+   credits nothing of its head.
 5. Measured again after REMEASURE credits of one signature, or when the signature changes; a
    block that did not qualify is tried again after REMEASURE steps. At most SIGNATURES
    signatures are remembered per block.
@@ -57,6 +64,8 @@ from ...records.step import GroupStat, StepState
 from .recompute import signature
 
 REMEASURE = 64  # credits of one signature between two measurements
+HEAD = -1  # the block index the head is recorded under (item 6)
+STEADY = {"group", "small", "recompute"}  # kept reasons that hold from one step to the next
 SIGNATURES = 16  # per block, before the block's records are forgotten
 
 _autograd: Any = torch._C._autograd
@@ -132,7 +141,17 @@ class Measured:
 class _Open:
     """The block the forward is in: measuring it, or running it credited."""
 
-    __slots__ = ("block", "records", "key", "inputs", "stat", "measured", "before", "popped")
+    __slots__ = (
+        "block",
+        "records",
+        "key",
+        "inputs",
+        "stat",
+        "measured",
+        "before",
+        "popped",
+        "ends",
+    )
 
     def __init__(
         self,
@@ -150,6 +169,7 @@ class _Open:
         self.measured: Measured | None = None  # credited: the measurement it is credited
         self.before: Any = None  # measuring: the step's counters and kept storages at entry
         self.popped: Any = None  # credited: tba's hooks, popped at entry
+        self.ends: Any = None  # the head: the node whose prehook ends its charge
 
 
 class KeptBlocks:
@@ -164,8 +184,12 @@ class KeptBlocks:
         self._records: weakref.WeakKeyDictionary[Any, dict[Any, Measured]] = (
             weakref.WeakKeyDictionary()
         )
-        self._open: _Open | None = None
+        self._open: _Open | None = None  # the block the forward is in
+        self._head: _Open | None = None  # the head, once the forward has left the last block
         self._pending: list[tuple[StepState, Measured, GroupStat]] = []  # credited, not counted
+
+    def _ours(self, top: Any) -> bool:
+        return top is not None and getattr(top[0], "__self__", None) is self.hooks is not None
 
     def enter(
         self,
@@ -181,13 +205,9 @@ class KeptBlocks:
         """The forward enters block ``block`` with its fast path open (NOTE [Hot path]);
         ``top``: the innermost saved-tensor hooks."""
         self._open = None
-        if (
-            not self.allowed
-            or top is None
-            or getattr(top[0], "__self__", None) is not self.hooks
-            or module is None
-            or isinstance(module, _Compiled)
-        ):
+        if not self.allowed or not self._ours(top) or module is None:
+            return
+        if isinstance(module, _Compiled):
             return
         inputs: list[torch.Tensor] = []
         described = signature(module, args, kwargs or {}, inputs)
@@ -201,6 +221,47 @@ class KeptBlocks:
         if not reached:
             return  # backward ends in this block: only its unpacks can say when (item 4)
         key = (action, described, tuple(flags))
+        op = self._region(step, stat, block, key, inputs, module)
+        if op is not None and op.measured is not None:
+            _pop()  # credited (item 3)
+            op.popped = top
+        self._open = op
+
+    def enter_head(self, step: StepState | None, stat: GroupStat, module: Any, output: Any) -> None:
+        """The forward leaves the last block (``module``, which returned ``output``) into the
+        head, which is kept (item 6)."""
+        self._head = None
+        top = top_hooks(False)
+        if not self.allowed or not self._ours(top) or module is None or step is None:
+            return
+        if step.entries:  # something was offloaded: the head's backward times its reads
+            return
+        ends = next((t.grad_fn for t in _outputs(output) if t.grad_fn is not None), None)
+        if ends is None:
+            return
+        inputs: list[torch.Tensor] = []
+        described = signature(module, (output,), {}, inputs)
+        kept = self.index.kept
+        flags = tuple([t.untyped_storage()._cdata in kept for t in inputs])
+        op = self._region(step, stat, HEAD, ("head", described, flags), inputs, module)
+        if op is not None:
+            op.ends = ends
+            if op.measured is not None:
+                _pop()
+                op.popped = top
+        self._head = op
+
+    def _region(
+        self,
+        step: StepState,
+        stat: GroupStat,
+        block: int,
+        key: Any,
+        inputs: list[torch.Tensor],
+        module: Any,
+    ) -> _Open | None:
+        """The block (or head) entered, to be measured or credited (``measured`` set); None:
+        neither."""
         records = self._records.get(module)
         if records is None:
             records = self._records[module] = {}
@@ -208,12 +269,10 @@ class KeptBlocks:
         op = _Open(block, records, key, inputs, stat)
         if m is not None and m.credits < REMEASURE:
             m.credits += 1
-            if m.ok:  # credited (item 3)
-                _pop()
-                op.popped = top
-                op.measured = m
-                self._open = op
-            return  # else: did not qualify, runs with the hooks until it is tried again
+            if not m.ok:
+                return None  # did not qualify: runs with the hooks until it is tried again
+            op.measured = m
+            return op
         if m is None and len(records) >= SIGNATURES:
             records.clear()
         with self.lock:
@@ -225,9 +284,9 @@ class KeptBlocks:
                 step.dedup_hits,
                 step.saved_bytes,
                 Counter(step.kept_reasons),
-                set(kept),
+                set(self.index.kept),
             )
-        self._open = op
+        return op
 
     def exit(self, step: StepState, output: Any) -> int:
         """The block returned ``output``; returns the bytes a credited block adds to the
@@ -238,25 +297,33 @@ class KeptBlocks:
         self._open = None
         if op.popped is not None:
             _push(*op.popped)
-            return self._credit(step, op, output)
-        self._measure(step, op, output)
+            return self._credit(step, op, _outputs(output))
+        self._measure(step, op, _outputs(output))
         return 0
 
-    def restore(self) -> None:
-        """The step ends: put tba's hooks back if a credited block raised (so its exit never
-        ran), before the step's own exit pops them."""
-        op = self._open
-        self._open = None
+    def restore(self, step: StepState | None, failed: bool) -> None:
+        """The step ends (``failed``: by an exception): put tba's hooks back where a credited
+        block raised (so its exit never ran) or the head runs without them, before the step's
+        own exit pops them; then count what was credited."""
+        op, head = self._open, self._head
+        self._open = self._head = None
         if op is not None and op.popped is not None:
             _push(*op.popped)
+        if head is not None and op is None:
+            if head.popped is not None:
+                _push(*head.popped)
+                if not failed and step is not None:
+                    self._credit(step, head, [])
+            elif not failed and step is not None:
+                self._measure(step, head, [])
         pending = self._pending
         if pending:
             with self.lock:
-                for step, m, gs in pending:
-                    _add(step, m, gs)
+                for st, m, gs in pending:
+                    _add(st, m, gs)
             pending.clear()
 
-    def _measure(self, step: StepState, op: _Open, output: Any) -> None:
+    def _measure(self, step: StepState, op: _Open, outs: list[torch.Tensor]) -> None:
         gs = op.stat
         with self.lock:
             packs, kept_n, fast, kdedup, dedup, saved, reasons, before = op.before
@@ -270,12 +337,13 @@ class KeptBlocks:
             m.saved = step.saved_bytes - saved - gs.hidden_bytes
             m.reasons = Counter(step.kept_reasons)
             m.reasons.subtract(reasons)
-            m.reason_items = list((+m.reasons).items())
+            m.reasons = +m.reasons
+            m.reason_items = list(m.reasons.items())
             m.ok = (
-                m.packs == m.fast + m.kept_dedup
-                and m.kept == m.fast
+                m.packs == m.kept + m.kept_dedup
                 and m.dedup == m.kept_dedup
-                and sum(m.reasons.values()) == m.fast
+                and sum(m.reasons.values()) == m.kept
+                and m.reasons.keys() <= STEADY
             )
             if m.ok:
                 m.tensors = gs.tensors
@@ -285,7 +353,7 @@ class KeptBlocks:
                 m.sizes = list(gs.sizes)
                 new = {c: e for c, e in self.index.kept.items() if c not in before}
                 charge = sum(e.nbytes for e in new.values())
-                for i, t in enumerate(op.inputs + _outputs(output)):
+                for i, t in enumerate(op.inputs + outs):
                     cdata = t.untyped_storage()._cdata
                     e = new.pop(cdata, None)
                     if e is not None:
@@ -294,12 +362,11 @@ class KeptBlocks:
                 m.charge = charge
         op.records[op.key] = m
 
-    def _credit(self, step: StepState, op: _Open, output: Any) -> int:
+    def _credit(self, step: StepState, op: _Open, outs: list[torch.Tensor]) -> int:
         m = op.measured
         assert m is not None
         gs = op.stat
         index = self.index
-        outs = _outputs(output)
         credit = Credit(index.graveyard, m.charge)
         self._pending.append((step, m, gs))  # counted when the step ends, in one go
         with self.lock:
@@ -315,8 +382,11 @@ class KeptBlocks:
                     step.seen.setdefault(cdata, e)
                     held.append(KeptHandle(kept_alias(t), t._version, e, gs))
                 credit.held = held
-        last = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         clock = step.clock
+        if op.ends is not None:  # the head: its charge ends as backward leaves it (item 6)
+            op.ends.register_prehook(lambda grads: credit.release())
+            return m.packed
+        last = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         if last is not None:  # item 4: backward enters the block
 
             def reached(grads: Any) -> None:
