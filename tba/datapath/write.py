@@ -81,15 +81,17 @@ class Writer:
             self._captured(e)
 
     def _captured(self, e: Entry) -> None:
-        """The captured bytes are final: check the source was not modified, then write."""
-        src, version = e.capture_done()
+        """The captured bytes are final: check the source was not modified (a capture done on
+        the packing thread has nothing to check, NOTE [Byte capture] in pack.py), then write."""
+        check = e.capture_done()
         b = e.batch
         if b is not None:
             b.captured()
         if e.state is DEAD:
             e.settle("dropped")
             self.io.release(e)
-        elif src._version != version:
+        elif check is not None and check[0]._version != check[1]:
+            src, version = check
             e.fail(modified_error(src.shape, src.dtype, src._version, version))
             e.settle("modified")
             self.io.release(e)
