@@ -65,8 +65,9 @@ from .write import Writer
 # reference for the step (NOTE [Storage identity] in tba/records/index.py); the storage's
 # Python object and the producer node's, which torch keeps for as long as the storage and the
 # node once ``untyped_storage()`` and ``grad_fn`` have been read. An offloaded tensor adds its
-# key, its Entry, the witness of its version (NOTE [Version witness]), the weak reference in
-# the dedup index and what its capture and write take.
+# key (whose shape and strides it shares with other tensors', NOTE [Shared geometry]), its
+# Entry, the witness of its version (NOTE [Version witness]), its weak reference and the one in
+# the dedup index, and what its capture and write take.
 
 # NOTE [Byte capture]
 # A CPU tensor copied into staging (a coalesced slot, or a block of its own when direct capture
@@ -78,6 +79,16 @@ from .write import Writer
 # the entry keeps no (source, version) pair to recheck: no in-place update can come between.
 # A view that is not dense, and every device copy, goes through the adapter's ``capture``.
 _memmove = ctypes.memmove
+
+# NOTE [Shared geometry]
+# Each handle keeps its view's shape (a torch.Size, which the cyclic GC tracks for as long as it
+# lives) and strides (a tuple), and its dedup key holds both. A model saves tensors of a handful
+# of shapes, so the general path hands every key the first equal Size and stride tuple it saw,
+# and the ones torch just made are freed at once instead of living as long as the handle: two
+# objects less per saved tensor for the GC to walk. Equal values are interchangeable (both are
+# immutable, and the key compares them by value). At most _SHARED_MAX of each are remembered;
+# past that the table starts over, so a model of ever-new shapes costs what it did before.
+_SHARED_MAX = 4096
 
 
 class Packer:
@@ -102,6 +113,8 @@ class Packer:
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
         self._seq = 0
         self._waited_out = -1  # the step in which a staging wait timed out
+        self._shapes: dict[torch.Size, torch.Size] = {}  # NOTE [Shared geometry]
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
@@ -161,8 +174,8 @@ class Packer:
                     if why == "group":
                         gs.keepable_bytes += nbytes
                     return KeptHandle(t.detach() if grad else t, t._version, e, gs)
-        stride = t.stride()
-        key = (cdata, t.storage_offset(), t.shape, stride, t.dtype, t._version)
+        shape, stride = self._shared(t.shape, t.stride())  # NOTE [Shared geometry]
+        key = (cdata, t.storage_offset(), shape, stride, t.dtype, t._version)
         with self.io.lock:
             index.bury()
             st.packs += 1
@@ -207,6 +220,24 @@ class Packer:
             return KeptHandle(
                 kept_alias(t), t._version, index.kept_entry(storage, cdata, snbytes), gs
             )
+
+    def _shared(
+        self, shape: torch.Size, stride: tuple[int, ...]
+    ) -> tuple[torch.Size, tuple[int, ...]]:
+        """The first equal shape and stride seen (NOTE [Shared geometry]). No lock: the tables
+        only ever map a value to an equal one, so a race would cost a duplicate, nothing more."""
+        shapes, strides = self._shapes, self._strides
+        s = shapes.get(shape)
+        if s is None:
+            if len(shapes) >= _SHARED_MAX:
+                shapes.clear()
+            s = shapes[shape] = shape
+        d = strides.get(stride)
+        if d is None:
+            if len(strides) >= _SHARED_MAX:
+                strides.clear()
+            d = strides[stride] = stride
+        return s, d
 
     def _warn_compiled(self) -> None:
         name = self.groups.model.name if self.groups.model is not None else "the model"
