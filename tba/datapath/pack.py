@@ -13,6 +13,7 @@ or the disk refuses, the bytes stay in memory: a tensor is never lost.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -69,8 +70,30 @@ from .write import Writer
 # reference for the step (NOTE [Storage identity] in tba/records/index.py); the storage's
 # Python object and the producer node's, which torch keeps for as long as the storage and the
 # node once ``untyped_storage()`` and ``grad_fn`` have been read. An offloaded tensor adds its
-# key, its Entry, the witness of its version (NOTE [Version witness]), the weak reference in
-# the dedup index and what its capture and write take.
+# key (whose shape and strides it shares with other tensors', NOTE [Shared geometry]), its
+# Entry, the witness of its version (NOTE [Version witness]), its weak reference and the one in
+# the dedup index, and what its capture and write take.
+
+# NOTE [Byte capture]
+# A CPU tensor copied into staging (a coalesced slot, or a block of its own when direct capture
+# does not apply) whose bytes are one run of memory, the whole storage or a dense view of it
+# (its layout keeps its own strides, so the slot holds that run as it is), is copied with one
+# ctypes.memmove from its address into the slot's: the same bytes a uint8 ``copy_`` would
+# write, without the two tensor views and the dispatch that cost more than the memcpy itself
+# at the sizes coalescing takes. It completes before pack returns, on the packing thread, so
+# the entry keeps no (source, version) pair to recheck: no in-place update can come between.
+# A view that is not dense, and every device copy, goes through the adapter's ``capture``.
+_memmove = ctypes.memmove
+
+# NOTE [Shared geometry]
+# Each handle keeps its view's shape (a torch.Size, which the cyclic GC tracks for as long as it
+# lives) and strides (a tuple), and its dedup key holds both. A model saves tensors of a handful
+# of shapes, so the general path hands every key the first equal Size and stride tuple it saw,
+# and the ones torch just made are freed at once instead of living as long as the handle: two
+# objects less per saved tensor for the GC to walk. Equal values are interchangeable (both are
+# immutable, and the key compares them by value). At most _SHARED_MAX of each are remembered;
+# past that the table starts over, so a model of ever-new shapes costs what it did before.
+_SHARED_MAX = 4096
 
 
 class Packer:
@@ -97,6 +120,8 @@ class Packer:
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
         self._seq = 0
         self._waited_out = -1  # the step in which a staging wait timed out
+        self._shapes: dict[torch.Size, torch.Size] = {}  # NOTE [Shared geometry]
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     # -- the pack hook ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, st: StepState) -> Any:
@@ -156,8 +181,8 @@ class Packer:
                     if why == "group":
                         gs.keepable_bytes += nbytes
                     return KeptHandle(t.detach() if grad else t, t._version, e, gs)
-        stride = t.stride()
-        key = (cdata, t.storage_offset(), t.shape, stride, t.dtype, t._version)
+        shape, stride = self._shared(t.shape, t.stride())  # NOTE [Shared geometry]
+        key = (cdata, t.storage_offset(), shape, stride, t.dtype, t._version)
         with self.io.lock:
             index.bury()
             st.packs += 1
@@ -203,6 +228,24 @@ class Packer:
             return KeptHandle(
                 kept_alias(t), t._version, index.kept_entry(storage, cdata, snbytes), gs
             )
+
+    def _shared(
+        self, shape: torch.Size, stride: tuple[int, ...]
+    ) -> tuple[torch.Size, tuple[int, ...]]:
+        """The first equal shape and stride seen (NOTE [Shared geometry]). No lock: the tables
+        only ever map a value to an equal one, so a race would cost a duplicate, nothing more."""
+        shapes, strides = self._shapes, self._strides
+        s = shapes.get(shape)
+        if s is None:
+            if len(shapes) >= _SHARED_MAX:
+                shapes.clear()
+            s = shapes[shape] = shape
+        d = strides.get(stride)
+        if d is None:
+            if len(strides) >= _SHARED_MAX:
+                strides.clear()
+            d = strides[stride] = stride
+        return s, d
 
     def _warn_compiled(self) -> None:
         name = self.groups.model.name if self.groups.model is not None else "the model"
@@ -314,16 +357,18 @@ class Packer:
         if refusing is not None:
             return refusing
         io = self.io
-        adapter, staging = io.device(t.device)
+        dev = t.device
+        adapter, staging = io.device(dev)
+        cpu = isinstance(adapter, CpuAdapter)
         batch = extent = None
         if nbytes < self.coalesce_bytes:
-            batch = writer.batch_for(t.device, staging, nbytes, st)
+            batch = writer.batch_for(dev, staging, nbytes, st)
         if batch is not None:
             block = batch.carve(nbytes)
             st.coalesced_tensors += 1
         else:
             direct = None
-            if isinstance(adapter, CpuAdapter):
+            if cpu:
                 direct = self._direct_block(t, storage, whole, nbytes, stride)
             if direct is None:
                 block = self._room(st, staging, nbytes, lambda: staging.alloc(nbytes))
@@ -347,17 +392,28 @@ class Packer:
             ticket, check, skew = None, block.check, block.skew
             span = (skew, skew + nbytes)  # only its own bytes (NOTE [Direct capture] rule 3)
         else:
-            if whole:
-                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                dst = block.part(0, nbytes)
-            else:
-                src = t
-                dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
             if block.length > nbytes:
                 block.part(nbytes, block.length).zero_()  # zero-padded tail
-            ticket, check, skew = adapter.capture(dst, src), (t, t._version), 0
+            at = None  # NOTE [Byte capture]: where the bytes start, when one memcpy takes them
+            if cpu:
+                if whole:
+                    at = storage.data_ptr()
+                elif stride == t.stride():  # a dense view: its bytes start at its data pointer
+                    at = t.data_ptr()
+            skew = 0
+            if at is not None:
+                _memmove(block.base.data_ptr() + block.offset, at, nbytes)
+                ticket = check = None  # done here, on the packing thread: nothing to recheck
+            else:
+                if whole:
+                    src = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+                    dst = block.part(0, nbytes)
+                else:
+                    src = t
+                    dst = block.part(0, nbytes).view(t.dtype).as_strided(t.shape, stride)
+                ticket, check = adapter.capture(dst, src), (t, t._version)
         gs = self.groups.stat
-        e = Entry(self.index.graveyard, st, ekey, sref, t.device, nbytes, block, extent, gs)
+        e = Entry(self.index.graveyard, st, ekey, sref, dev, nbytes, block, extent, gs)
         e.captured_by(ticket, check, batch, skew, span)
         self.index.charge(block.length)
         self.index.add_entry(e)

@@ -138,28 +138,38 @@ class Prefetcher:
             other.deferred = []
 
     def pump(self) -> None:
-        ordered = [s for s in self.plans if s.backward_started]
-        ordered += [s for s in self.plans if not s.backward_started]
-        for step in ordered:
-            if step.deferred:
-                self._pump_deferred(step)
-            plan = step.plan or []
-            while step.cursor < len(plan):
-                e = plan[step.cursor]
-                if e.state in (DEAD, FAILED, MEMORY) or e.host is not None or e.budgeted:
-                    step.cursor += 1
-                    continue
-                if self.inflight and self.inflight + e.padded > self.budget:
+        # called at every entry's last use: no list is built unless a plan has finished
+        plans = self.plans
+        for started in (True, False):  # NOTE [Plan order]
+            for step in plans:
+                if step.backward_started is started and not self._pump_plan(step):
                     return
-                self.take(e)
-                if e.state is ON_DISK and e.originals_alive():  # NOTE [Forwarding]
-                    e.deferred = True
-                    step.deferred.append(e)
-                else:
-                    self._fetch(e)
-                step.cursor += 1
-        self._drop_finished()
+        for s in plans:
+            if s.cursor >= len(s.plan or []) and not s.deferred:
+                self._drop_finished()
+                break
         self.device.pump()
+
+    def _pump_plan(self, step: StepState) -> bool:
+        """Issue ``step``'s next reads; False when the budget is spent (stop there)."""
+        if step.deferred:
+            self._pump_deferred(step)
+        plan = step.plan or []
+        while step.cursor < len(plan):
+            e = plan[step.cursor]
+            if e.state in (DEAD, FAILED, MEMORY) or e.host is not None or e.budgeted:
+                step.cursor += 1
+                continue
+            if self.inflight and self.inflight + e.padded > self.budget:
+                return False
+            self.take(e)
+            if e.state is ON_DISK and e.originals_alive():  # NOTE [Forwarding]
+                e.deferred = True
+                step.deferred.append(e)
+            else:
+                self._fetch(e)
+            step.cursor += 1
+        return True
 
     def _fetch(self, e: Entry) -> None:
         """Bring a budgeted entry's bytes back: a read, or its staging once written."""

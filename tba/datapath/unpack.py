@@ -181,40 +181,51 @@ class Reader:
             fut.add_done_callback(lambda f, b=b: self._batch_read_done(b, f))
 
     def _batch_read_done(self, b: Batch, fut: Future) -> None:
-        with self.io.lock:
-            self.io.settled(fut)
+        """The whole-batch read ended: its outcome read once, for every member waiting on it."""
+        io = self.io
+        with io.lock:
+            io.settled(fut)
             readers = b.read_ended(fut)
-            if readers and fut.exception() is None:
+            err = fut.exception()
+            if readers and err is None:
                 t0, n = fut.tba_t0, len(fut.tba_buffer)  # type: ignore[attr-defined]
-                self.io.finished(False, readers[0], t0, n)  # a batch: one group
+                io.finished(False, readers[0], t0, n)  # a batch: one group
             for e in readers:
-                self._read_done(e, fut)
+                self._read_ended(e, fut, err)
+            self.index.bury()
+            io.on_host()
 
     def _read_done(self, e: Entry, fut: Future) -> None:
         io = self.io
         with io.lock:
             io.settled(fut)
-            if not e.read_ended(fut):
-                return  # the waiter already handled it
-            buf = fut.tba_buffer  # type: ignore[attr-defined]
-            err = fut.exception()
-            if err is not None or e.state is DEAD:
-                self.index.uncharge(e.padded)
-                if err is not None:
-                    io.failed("read", err, e.step)
-                    if e.state is not DEAD:  # a dead entry's extent is freed below
-                        e.fail(err if isinstance(err, StorageError) else _as_error(err, e))
-                if e.state is DEAD:
-                    io.release(e)
-                return
-            if e.batch is not None:
-                buf = e.batch.slice_of(buf, e.slot_at, e.padded)
-            e.hold(buf[e.skew :] if e.skew else buf, from_disk=True)  # NOTE [Direct capture]
-            e.step.bytes_reloaded += e.nbytes
-            if e.batch is None:
-                io.finished(False, e, fut.tba_t0, e.padded)  # type: ignore[attr-defined]
-            self.index.bury()
-            io.on_host()
+            if self._read_ended(e, fut, fut.exception()):
+                self.index.bury()
+                io.on_host()
+
+    def _read_ended(self, e: Entry, fut: Future, err: BaseException | None) -> bool:
+        """``e``'s read ``fut`` ended with ``err``; True when it brought ``e``'s bytes (the
+        caller then buries dead handles and pumps the device window). Lock held."""
+        if not e.read_ended(fut):
+            return False  # the waiter already handled it
+        io = self.io
+        if err is not None or e.state is DEAD:
+            self.index.uncharge(e.padded)
+            if err is not None:
+                io.failed("read", err, e.step)
+                if e.state is not DEAD:  # a dead entry's extent is freed below
+                    e.fail(err if isinstance(err, StorageError) else _as_error(err, e))
+            if e.state is DEAD:
+                io.release(e)
+            return False
+        buf = fut.tba_buffer  # type: ignore[attr-defined]
+        if e.batch is not None:
+            buf = e.batch.slice_of(buf, e.slot_at, e.padded)
+        e.hold(buf[e.skew :] if e.skew else buf, from_disk=True)  # NOTE [Direct capture]
+        e.step.bytes_reloaded += e.nbytes
+        if e.batch is None:
+            io.finished(False, e, fut.tba_t0, e.padded)  # type: ignore[attr-defined]
+        return True
 
     # -- lifetimes ------------------------------------------------------------------------------
     def retire(self, e: Entry) -> None:

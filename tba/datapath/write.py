@@ -81,15 +81,17 @@ class Writer:
             self._captured(e)
 
     def _captured(self, e: Entry) -> None:
-        """The captured bytes are final: check the source was not modified, then write."""
-        src, version = e.capture_done()
+        """The captured bytes are final: check the source was not modified (a capture done on
+        the packing thread has nothing to check, NOTE [Byte capture] in pack.py), then write."""
+        check = e.capture_done()
         b = e.batch
         if b is not None:
             b.captured()
         if e.state is DEAD:
             e.settle("dropped")
             self.io.release(e)
-        elif src._version != version:
+        elif check is not None and check[0]._version != check[1]:
+            src, version = check
             e.fail(modified_error(src.shape, src.dtype, src._version, version))
             e.settle("modified")
             self.io.release(e)
@@ -111,42 +113,48 @@ class Writer:
         io = self.io
         with io.lock:
             io.settled(fut)
-            e.write_ended()
             err = fut.exception()
             if t0 is not None and err is None:
                 io.finished(True, e, t0, e.padded)
-            if e.state is DEAD:
-                e.settle(None if err is None else kept_reason_for(getattr(err, "errno", None)))
+            self._ended(e, err, None if err is not None else fut.result())
+            self.index.bury()
+
+    def _ended(self, e: Entry, err: BaseException | None, digest: int | None) -> None:
+        """``e``'s write ended with ``err`` (None: written, checksummed ``digest``). Lock held;
+        the caller buries dead handles afterwards (once for a whole batch)."""
+        io = self.io
+        e.write_ended()
+        if e.state is DEAD:
+            e.settle(None if err is None else kept_reason_for(getattr(err, "errno", None)))
+            io.release(e)
+            return
+        blk = e.staging
+        if isinstance(blk, DirectBlock):  # NOTE [Direct capture] rule 2, failed write or not
+            problem = blk.modified()
+            if problem is not None:
+                e.fail(problem)
+                e.settle("modified")
                 io.release(e)
                 return
-            blk = e.staging
-            if isinstance(blk, DirectBlock):  # NOTE [Direct capture] rule 2, failed write or not
-                problem = blk.modified()
-                if problem is not None:
-                    e.fail(problem)
-                    e.settle("modified")
-                    io.release(e)
-                    return
-                if blk.moved():
-                    io.warn_once(
-                        "moved",
-                        "tba.pack: the storage of a saved tensor was resized while tba wrote "
-                        "it; keeping that tensor in memory, as stock PyTorch would read it",
-                    )
-                    self._to_memory(e, "resized")
-                    return
-            if err is not None:
-                self._write_failed(e, err)
+            if blk.moved():
+                io.warn_once(
+                    "moved",
+                    "tba.pack: the storage of a saved tensor was resized while tba wrote "
+                    "it; keeping that tensor in memory, as stock PyTorch would read it",
+                )
+                self._to_memory(e, "resized")
                 return
-            e.written(fut.result())
-            e.settle(None)
-            if e.want and e.host is None:  # prefetch asked while it was being written
-                io.staged_to_host(e)
-            else:
-                io.free_staging(e)
-            self.index.bury()
-            if e.want:
-                io.on_host()  # NOTE [Device prefetch]
+        if err is not None:
+            self._write_failed(e, err)
+            return
+        e.written(digest)
+        e.settle(None)
+        if e.want and e.host is None:  # prefetch asked while it was being written
+            io.staged_to_host(e)
+        else:
+            io.free_staging(e)
+        if e.want:
+            io.on_host()  # NOTE [Device prefetch]
 
     def _write_failed(self, e: Entry, err: BaseException) -> None:
         """Keep the bytes in memory: a failed write never loses data. A full, removed,
@@ -225,9 +233,16 @@ class Writer:
         fut.add_done_callback(lambda f, b=b, live=live, t0=t0: self._batch_written(b, live, f, t0))
 
     def _batch_written(self, b: Batch, members: list[Entry], fut: Future, t0: float) -> None:
-        with self.io.lock:
-            if fut.exception() is None:
-                self.io.finished(True, members[0], t0, b.extent.length)  # a batch: one group
+        """The batch's one write ended: its outcome (and checksum) read once, for every member."""
+        io = self.io
+        with io.lock:
+            io.settled(fut)
+            err = fut.exception()
+            digest = None
+            if err is None:
+                digest = fut.result()
+                io.finished(True, members[0], t0, b.extent.length)  # a batch: one group
             for m in members:
-                self._write_done(m, fut)
+                self._ended(m, err, digest)
             b.write_ended()
+            self.index.bury()

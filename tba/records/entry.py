@@ -138,7 +138,10 @@ class Entry:
         self.stat = stat  # the GroupStat of the group that packed it
         self.settled = False  # counted (NOTE [Counted once] in tba/records/reasons.py)
         self.span: tuple[int, int] | None = None  # what its checksum covers (None: all)
-        self.originals: list[Any] = []  # weak references to the saved tensors (NOTE [Forwarding])
+        # the weak reference to the saved tensor, or a list of them once a second handle is made
+        # on these bytes (NOTE [Forwarding]); one entry rarely has two, and a list for one would
+        # be one more object per offloaded tensor for the cyclic GC
+        self.originals: Any = None
         self.deferred = False  # the plan passed it over while an original was alive
         self.dev_budgeted = 0  # bytes it holds of the device window (NOTE [Device prefetch])
         step.unsettled += 1
@@ -149,13 +152,23 @@ class Entry:
     # -- uses (handles and unpacks) -------------------------------------------------------------
     def saw(self, original: Any) -> None:
         """A handle on these bytes was made for the tensor ``original`` (a weak reference)."""
-        self.originals.append(original)
+        refs = self.originals
+        if refs is None:
+            self.originals = original
+        elif type(refs) is list:
+            refs.append(original)
+        else:
+            self.originals = [refs, original]
 
     def originals_alive(self) -> bool:
         """Every tensor saved onto these bytes is still alive: each unpack can be served by
         its original, so reading the bytes back would be wasted (NOTE [Forwarding])."""
         refs = self.originals
-        return bool(refs) and all(r() is not None for r in refs)
+        if refs is None:
+            return False
+        if type(refs) is not list:
+            return refs() is not None
+        return all(r() is not None for r in refs)
 
     def saved(self, seq: int) -> None:
         """One more save of these bytes: one more unpack to expect, later in the plan."""
@@ -199,7 +212,7 @@ class Entry:
     def captured_by(
         self,
         ticket: Any,
-        check: tuple[torch.Tensor, int],
+        check: tuple[torch.Tensor, int] | None,
         batch: Any,
         skew: int,
         span: tuple[int, int] | None,
@@ -216,8 +229,9 @@ class Entry:
         self.skew = skew
         self.span = span
 
-    def capture_done(self) -> tuple[torch.Tensor, int]:
-        """The capture completed: returns (source, version at pack) for the caller to check."""
+    def capture_done(self) -> tuple[torch.Tensor, int] | None:
+        """The capture completed: returns (source, version at pack) for the caller to check,
+        or None when there is nothing to check (captured on the packing thread)."""
         check = self.check
         self.check = None
         self.ticket = None

@@ -171,6 +171,28 @@ def test_producer_event_is_recorded_before_the_copy_and_waited_on(adapter, fake)
     assert produced.stream is fake.default
 
 
+def test_capture_events_are_reused_only_once_fired(adapter, fake):
+    """NOTE [Capture events]: one producer event; a copy event serves again only after its
+    ticket saw it fire, and every capture still copies its own bytes, in order."""
+    srcs = [torch.full((256,), float(i)) for i in range(4)]
+    dsts = [torch.zeros(256) for _ in srcs]
+    first = adapter.capture(dsts[0], srcs[0])
+    second = adapter.capture(dsts[1], srcs[1])  # the first is still queued: a new copy event
+    assert second.event is not first.event
+    second.wait()  # runs the side stream through both copies
+    assert first.done()
+    third = adapter.capture(dsts[2], srcs[2])
+    fourth = adapter.capture(dsts[3], srcs[3])
+    assert {third.event, fourth.event} == {first.event, second.event}  # both fired: reused
+    assert all(ev.blocking for ev in (third.event, fourth.event))
+    produced = [ev for ev in fake.events if not ev.blocking]
+    assert len(produced) == 1 and len(fake.events) == 3  # one producer, two copy events
+    assert not third.done() and not fourth.done()  # recorded again: pending until they run
+    fourth.wait()
+    assert third.done()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
 def test_copy_event_blocks_instead_of_spinning(adapter, fake):
     ticket = adapter.capture(torch.zeros(4), torch.ones(4))
     assert ticket.event.blocking and ticket.event.stream is adapter.side

@@ -43,6 +43,29 @@ def test_a_second_save_of_the_same_view_is_a_dedup_hit(core):
     assert st.saved_bytes == x.numel() * 4
 
 
+def test_equal_shapes_and_strides_are_shared_and_the_tables_bounded(core, monkeypatch):
+    """NOTE [Shared geometry]: handles of equal geometry hold one Size and one stride tuple,
+    and their tensors come back exact; the tables start over once full."""
+    c = core()
+    st = c.begin()
+    xs = [torch.randn(16, 64) for _ in range(3)] + [torch.randn(64, 16).t()]
+    hs = [c.pack(x, st) for x in xs]
+    assert all(isinstance(h, Handle) for h in hs)
+    assert all(h.size is hs[0].size and h.stride is hs[0].stride for h in hs[1:3])
+    assert hs[3].size is hs[0].size and hs[3].stride == (1, 16)
+    c.end(st)
+    c.settle()
+    want = [x.clone() for x in xs]
+    del xs
+    assert all(torch.equal(c.unpack(h), w) for h, w in zip(hs, want))
+    monkeypatch.setattr("tba.datapath.pack._SHARED_MAX", 2)
+    st = c.begin()
+    ys = [torch.randn(n, 3) for n in range(5, 10)]
+    got = [c.pack(y, st) for y in ys]
+    assert len(c.packer._shapes) <= 2 and len(c.packer._strides) <= 2
+    assert [h.size for h in got] == [y.shape for y in ys]
+
+
 def test_views_of_one_storage_share_one_capture(core):
     c = core()
     st = c.begin()

@@ -190,6 +190,8 @@ class Batch:
 
     def read_back(self) -> torch.Tensor | None:
         """The whole-batch buffer of the last read, while some member still holds a view."""
+        if not self.hosts:  # asked at each member's read: no iteration (and its guard) for none
+            return None
         for view in self.hosts:
             return torch.empty(0, dtype=torch.uint8, device=view.device).set_(
                 view.untyped_storage(), self.base, (self.extent.length,)

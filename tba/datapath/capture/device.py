@@ -174,25 +174,42 @@ class CpuAdapter:
         dst.copy_(src)
 
 
+# NOTE [Capture events]
+# A CUDA capture needs two events (NOTE [CUDA ordering] rules 1 and 3); making two per saved
+# tensor cost the packing thread their creation and, later, the GC their objects. They are
+# reused instead. The producer event is one per adapter: a stream's ``wait_event`` waits for the
+# work the event had recorded when it was called, so recording the same event again for the next
+# capture cannot shorten an earlier wait (only the packing thread records it). A copy event goes
+# back to the adapter's spares once its ticket has seen it fire (``query`` true, or
+# ``synchronize`` returned), and a later capture records it again; the ticket never reads it
+# after that, and nothing else holds it (an Upload's event and the direct-mode read and copy
+# events are made for their one use, as before).
 class _CudaTicket(Ticket):
-    __slots__ = ("event", "source")
+    __slots__ = ("event", "source", "spare")
 
-    def __init__(self, event: Any, source: torch.Tensor):
+    def __init__(self, event: Any, source: torch.Tensor, spare: list[Any]):
         self.event = event
         self.source = source  # NOTE [CUDA ordering] rule 2: keeps the source's memory alive
+        self.spare = spare  # the adapter's free copy events: this one goes back there once fired
 
     def done(self) -> bool:
         if self.source is None:
             return True
         if self.event.query():
-            self.source = None
+            self._fired()
             return True
         return False
 
     def wait(self) -> None:
         if self.source is not None:
             self.event.synchronize()  # rule 3: bytes are final only after the copy's event
-            self.source = None
+            self._fired()
+
+    def _fired(self) -> None:
+        """The copy completed: the source may go, and the event serves a later capture (the
+        ticket never looks at it again: ``source`` is None from now on)."""
+        self.source = None
+        self.spare.append(self.event)  # list.append: atomic, from whichever thread waited
 
 
 class CudaAdapter:
@@ -226,6 +243,10 @@ class CudaAdapter:
         self._record_stream = record_stream or (lambda t, stream: t.record_stream(stream))
         self._inflight: list[tuple[Any, torch.Tensor]] = []  # (event, pinned source) of H2D
         self._lock = threading.Lock()
+        # NOTE [Capture events]: the producer event rule 1 records at every capture, and the
+        # blocking copy events whose captures have completed, ready for the next ones
+        self._produced: Any = None
+        self._spare: list[Any] = []
 
     def staging_arena(self, nbytes: int, align: int) -> torch.Tensor:
         if self.direct:
@@ -243,15 +264,21 @@ class CudaAdapter:
         return buf
 
     def capture(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        """Packing thread only (the producer event is this adapter's one, NOTE [Capture
+        events])."""
         self._prune()
-        produced = self.cuda.Event()
+        produced = self._produced
+        if produced is None:
+            produced = self._produced = self.cuda.Event()
         produced.record(self.cuda.current_stream(self.device))  # rule 1
         self.side.wait_event(produced)
+        spare = self._spare
         with self.cuda.stream(self.side):
             self._copy(dst, src)  # D2H into pinned staging, or D2D in direct mode (rule 5)
-            copied = self.cuda.Event(blocking=True)  # a host thread waits on it (rule 3)
+            # a host thread waits on it (rule 3), hence blocking
+            copied = spare.pop() if spare else self.cuda.Event(blocking=True)
             copied.record(self.side)
-        return _CudaTicket(copied, src)
+        return _CudaTicket(copied, src, spare)
 
     def upload(self, host: torch.Tensor, device: torch.device) -> Upload:
         """Start the H2D copy of ``host`` on the side stream (rule 4); any thread."""
