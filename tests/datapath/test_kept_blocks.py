@@ -30,6 +30,14 @@ def _depth() -> int:
     return len(got)
 
 
+def _steps(off, model, x, n):
+    """``n`` steps of ``model`` on ``x``, forward under tba, backward after."""
+    for _ in range(n):
+        with off.step(model):
+            loss = model(x)
+        loss.backward()
+
+
 def _train(off, model, steps, batch=4):
     out = []
     for s in range(steps):
@@ -184,10 +192,7 @@ def test_in_place_edit_of_a_tensor_a_credited_block_saved_raises(make_offloader)
     model = Edits()
     off = make_offloader(policy="keep")
     x = torch.randn(4, 8, requires_grad=True)
-    for _ in range(2):
-        with off.step(model):
-            loss = model(x)
-        loss.backward()
+    _steps(off, model, x, 2)
     with off.step(model):
         loss = model(x, edit=True)
     assert off.stats()["kept_credited"] > 0
@@ -269,9 +274,6 @@ def test_no_hook_piles_up_on_a_leaf_input(make_offloader):
     model = _Stack(8, lead=False)
     off = make_offloader(policy="keep")
     x = torch.randn(4, 8, requires_grad=True)
-    for _ in range(3):
-        with off.step(model):
-            loss = model(x)
-        loss.backward()
+    _steps(off, model, x, 3)
     assert off.stats()["kept_credited"] > 0  # the other blocks are
     assert not x._backward_hooks

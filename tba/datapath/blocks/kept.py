@@ -114,7 +114,6 @@ class Measured:
         "fast",
         "kept_dedup",
         "dedup",
-        "reasons",
         "reason_items",
         "saved",
         "tensors",
@@ -131,8 +130,7 @@ class Measured:
         self.credits = 0
         self.packs = self.kept = self.fast = self.kept_dedup = self.dedup = self.saved = 0
         self.tensors = self.packed = self.kept_bytes = self.keepable = self.charge = 0
-        self.reasons: Counter[str] = Counter()
-        self.reason_items: list[tuple[str, int]] = []
+        self.reason_items: list[tuple[str, int]] = []  # kept reasons and their counts
         self.sizes: list[int] = []
         # indices into (inputs + outputs) of the tensors whose storages the block kept
         self.positions: list[int] = []
@@ -335,15 +333,15 @@ class KeptBlocks:
             m.dedup = step.dedup_hits - dedup
             # less what a recomputed block's checkpoint saved: Recompute credits that itself
             m.saved = step.saved_bytes - saved - gs.hidden_bytes
-            m.reasons = Counter(step.kept_reasons)
-            m.reasons.subtract(reasons)
-            m.reasons = +m.reasons
-            m.reason_items = list(m.reasons.items())
+            added = Counter(step.kept_reasons)
+            added.subtract(reasons)
+            added = +added
+            m.reason_items = list(added.items())
             m.ok = (
                 m.packs == m.kept + m.kept_dedup
                 and m.dedup == m.kept_dedup
-                and sum(m.reasons.values()) == m.kept
-                and m.reasons.keys() <= STEADY
+                and sum(added.values()) == m.kept
+                and added.keys() <= STEADY
             )
             if m.ok:
                 m.tensors = gs.tensors
