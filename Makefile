@@ -1,4 +1,5 @@
-# make demo: train a small GPT with and without tba and print the comparison table.
+# make demo: train a GPT three ways side by side (no offload, per-block checkpointing, tba's
+#   defaults): peak memory, step time, loss parity, and a plot of memory over a step in demo-out/.
 # make lint: ruff, ruff format, the layers contract and mypy (.pre-commit-config.yaml: the same).
 # make test: lint, then the whole test suite, then the GPU check's dry run (< 1 min, no GPU).
 # make gpu-check: on a GPU machine whose python has torch with CUDA (no venv, no network):
@@ -29,7 +30,14 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[test,integrations]"
 	touch $@
 
-demo: $(VENV)/.base
+# The demo's plot needs matplotlib (the plot extra). Without it (offline, say) the demo still
+# prints its table and says how to install it; the install is tried again on the next run.
+$(VENV)/.plot: $(VENV)/.base
+	echo "$(TORCH)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[plot]" && touch $@ \
+		|| echo "make demo: matplotlib did not install; the demo runs without its plot"
+
+demo: $(VENV)/.plot
 	$(PY) examples/train_gpt.py
 
 lint: $(VENV)/.test
@@ -51,4 +59,5 @@ bench: $(VENV)/.base
 	$(PY) benchmarks/bench_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache tba/_engine*.so gpu-check-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache tba/_engine*.so gpu-check-out \
+		demo-out
