@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     data = corpus()
     rounds = 1 + args.rounds + 1  # a warm-up round, the timed ones, the recorded one
     steps = list(batches(data, cfg, batch, rounds))
+    load = os.getloadavg()[0]
     spill = tempfile.mkdtemp(prefix="tba-demo-", dir=args.spill_dir)
     variants = {}
     try:
@@ -389,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         for n, v in variants.items()
     }
     print()
+    print(
+        f"load average over 1 min: {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+        f"on {os.cpu_count()} cores (other processes make step times noisy)"
+    )
     print(
         f"step: median of {args.rounds} timed rounds; peak resident: bytes of saved tensors in "
         f"memory at once (tba: from its second step on)"
