@@ -149,9 +149,14 @@ class _CountRecomputed(contextlib.AbstractContextManager):
         self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def __enter__(self):
+        # torch has no public way to read the hooks on top of the stack: here, torch's own
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None:
-            raise RuntimeError("checkpoint's recomputation runs without its saved-tensor hook")
+            raise RuntimeError(
+                f"train_gpt: under torch {torch.__version__}, checkpoint recomputes without a "
+                "saved-tensor hook, which this demo counts checkpointing's memory through (as "
+                "torch 2.13 has it); use torch 2.13"
+            )
         pack, unpack = top
 
         def counted(t: torch.Tensor):
@@ -340,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "demo-out"), help="the plot's dir")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a quick check")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     cfg, batch = (TINY, TINY_BATCH) if args.tiny else (MODEL, BATCH)
     warm_cpu_math()  # losses are compared bit for bit (NOTE [First-call math])
     torch.manual_seed(0)

@@ -84,3 +84,21 @@ def test_verdict_comes_from_the_figures(demo):
     assert big.startswith("goal not met") and "a peak 10.0 MiB above checkpointing's" in big
     first = demo.verdict(med, peak, 60 * mib)
     assert first.endswith("after its first step (which peaked at 60.0 MiB)")
+
+
+def test_checkpointing_is_charged_for_what_backward_recomputes(demo, tmp_path):
+    import time
+
+    from tba.testing import GPT, random_batch
+
+    base = GPT(demo.TINY)
+    x, y = random_batch(demo.TINY, demo.TINY_BATCH)
+    v = demo.Variant("checkpoint", base, str(tmp_path))
+    v.recorded_step(x, y, interval=0.002)
+    outer = demo.SavedBytes(v.model, time.perf_counter)  # an outer hook alone: the inputs
+    with outer.hooks():
+        v.model(x, y).backward()
+    outer.flush()
+    assert 0 < outer.peak < v.trace_peak == v.peak
+    batch = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+    assert outer.resident == v.trace[-1][1] == batch  # all freed but the batch, held here
