@@ -62,7 +62,18 @@ import torch
 from ..config import Config
 from ..errors import StorageError, TBAError, hint_for, internal_error
 from ..host.memory import aligned_empty, as_memoryview
-from ._kvikio_api import _configure, _describe, _errno_of, _facts, _load, _part, kvikio_status
+from ._kvikio_api import (
+    _configure,
+    _describe,
+    _direct_host_io,
+    _errno_of,
+    _facts,
+    _gds_threshold,
+    _is_eof,
+    _load,
+    _part,
+    kvikio_status,
+)
 from ._kvikio_buffers import _CudaBytes, _device_view, _host_bytes, _host_view, _via_host
 from .base import Extent, Span
 from .checksum import checksum_fn
@@ -130,9 +141,10 @@ class KvikioBackend(SlabBackend):
         self.compat_mode = self._facts.compat_mode
         self.device_direct = False
         self.task_bytes = cfg.gds_task_bytes
-        self.threads, self._threads_note = _configure(
-            _part(mod, "defaults"), cfg.io_threads, cfg.gds_task_bytes
-        )
+        defaults = _part(mod, "defaults")
+        self.threads, self._threads_note = _configure(defaults, cfg.io_threads, cfg.gds_task_bytes)
+        self.host_direct_io, self._direct_note = _direct_host_io(defaults, self._facts.who)
+        self.gds_threshold = _gds_threshold(defaults)
         self._device_probe = "not run"
         self._files: dict[str, Any] = {}
         self._kv_lock = threading.Lock()
@@ -190,7 +202,9 @@ class KvikioBackend(SlabBackend):
             )
 
     def _probe_device(self, f: Any, align: int, shown: str) -> None:
-        pair = _cuda_probe_pair(align)
+        # kvikio sends a device request under gds_threshold through POSIX, not cuFile (NOTE 5)
+        nbytes = -(-max(align, self.gds_threshold) // align) * align
+        pair = _cuda_probe_pair(nbytes)
         if pair is None:
             self._device_probe = "skipped (no CUDA device)"
             return
@@ -219,8 +233,8 @@ class KvikioBackend(SlabBackend):
         return (
             f"{self._facts.who} write+read probe passed on {self.fs} at {self._spill.root} "
             f"(dio align {m}/{o}, using {self.alignment}); device-buffer probe "
-            f"{self._device_probe}; {path}; {threads} kvikio threads{note}, "
-            f"{self.task_bytes >> 10} KiB tasks"
+            f"{self._device_probe}; {path}; {self._direct_note}; {threads} kvikio "
+            f"threads{note}, {self.task_bytes >> 10} KiB tasks"
         )
 
     # -- files --------------------------------------------------------------------------------
@@ -265,17 +279,11 @@ class KvikioBackend(SlabBackend):
         failures: list[BaseException] = []
 
         def call(view: Any, at: int) -> int:
-            want = len(view)
             try:
-                got = int(method(view, want, at, self.task_bytes).get())
+                return self._tasks(method, view, at)
             except Exception as e:
                 failures.append(e)
                 raise OSError(_errno_of(e), str(e)) from None
-            if not 0 <= got <= want:
-                bad = OSError(errno.EIO, f"kvikio reported {got} bytes for a {want}-byte request")
-                failures.append(bad)
-                raise bad
-            return got
 
         try:
             self._transfer(op, call, buf, off, shown)
@@ -283,8 +291,45 @@ class KvikioBackend(SlabBackend):
             if not failures:
                 raise
             cause = failures[-1]
-            hint = f"kvikio: {_describe(cause)}. {hint_for(err.errno)}".strip()
+            hint = hint_for(err.errno)
+            if _is_eof(cause):
+                hint = (
+                    "Unexpected end of file: the spill file is shorter than the extent. Nothing "
+                    "was zero-filled; the tensor cannot be restored."
+                )
+            hint = f"kvikio: {_describe(cause)}. {hint}".strip()
             raise StorageError(err.op, err.path, err.offset, err.nbytes, err.errno, hint) from cause
+
+    def _tasks(self, method: Callable[..., Any], view: Any, at: int) -> int:
+        """One kvikio request per task of ``view``, all waited for; the bytes moved from the
+        start of ``view`` (NOTE 2)."""
+        n, step = len(view), self.task_bytes
+        futures: list[tuple[int, Any]] = []
+        first: BaseException | None = None
+        for start in range(0, n, step):
+            part = view[start : start + step]
+            try:
+                futures.append((len(part), method(part, len(part), at + start, step)))
+            except Exception as e:
+                first = e
+                break
+        done, whole = 0, True
+        for want, fut in futures:  # every one, even after a failure: they all use the buffer
+            try:
+                got = int(fut.get())
+            except Exception as e:
+                first = e if first is None else first
+                whole = False
+                continue
+            if not 0 <= got <= want:
+                bad = OSError(errno.EIO, f"kvikio reported {got} bytes for a {want}-byte request")
+                first = bad if first is None else first
+            if whole:
+                done += got
+                whole = got == want
+        if first is not None:
+            raise first
+        return done
 
     def _resume_at(self, pos: int, n: int) -> int:
         return pos - pos % max(self._unit, _GPU_PAGE) if pos < n else pos
