@@ -10,7 +10,7 @@ checks the same behaviour against the real one):
   offset (OverflowError), unknown open flags (ValueError), a path that does not open
   (RuntimeError "Unable to open file. ...").
 - The I/O starts at submit, on threads: ``done()`` is False until it has ended, ``get()`` waits
-  for it and works once (``std::future::get``).
+  for it and works once (``std::future::get``); after it, ``done()`` raises ValueError.
 - A request is split into tasks of ``task_size``, and the last task does its own part, then
   waits for the others in order: when one task fails, ``get()`` raises while later tasks may
   still be using the buffer.
@@ -161,6 +161,11 @@ class FakeIOFuture:
         return self._task.wait()
 
     def done(self) -> bool:
+        if self._used:  # get() took the shared state
+            raise ValueError(
+                "KvikIO failure at: libkvikio/include/kvikio/utils.hpp:173: The future object "
+                "does not refer to a valid shared state."
+            )
         return self._task is None or self._task.finished.is_set()
 
 
