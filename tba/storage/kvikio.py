@@ -17,30 +17,40 @@ NOTE [kvikio]
    filesystem. CuFiles are keyed by the slab's display name, which is never reused,
    so a recycled fd number cannot reach a stale CuFile.
 2. Transfers. ``pread``/``pwrite`` return an ``IOFuture`` whose ``get()`` gives the byte count or
-   raises. They run on the shared :class:`SlabBackend` loop (NOTE [Transfers]). A short count is
-   resubmitted for the rest, starting on a 4 KiB GPU page (or the DIO unit when larger), since
-   kvikio splits unaligned GDS requests into a slower path. A read of 0 bytes, or requests that
-   make no progress, are errors. kvikio raises RuntimeError without an errno, so the errno comes
-   from an OSError, or from the strerror text of kvikio's own syscall failures ("POSIX error
-   ...", "... system/library function call error ..."), else it is EIO. The StorageError names
-   op, file, offset, bytes and errno, and quotes kvikio. Nothing is ever zero-filled.
+   raises. kvikio splits a request into tasks on its pool, and when one fails ``get()`` rethrows
+   at once while the other tasks still use the buffer. So tba sends one request per task
+   (``gds_task_bytes``, which kvikio then runs as a single task), waits for every one, and only
+   then reports: a buffer is never freed or reused under a running task. They run on the shared
+   :class:`SlabBackend` loop (NOTE [Transfers]). kvikio's POSIX path moves every byte or raises;
+   only cuFile returns short counts, and the transfer resumes after the requests that moved all
+   their bytes, on a 4 KiB GPU page (or the DIO unit when larger), since kvikio splits unaligned
+   GDS requests into a slower path. A read of 0 bytes, or requests that make no progress, are
+   errors. kvikio raises RuntimeError without an errno, so the errno comes from an OSError, or
+   from kvikio's texts (26.10): most end in the strerror text of the failed call, its EBADF
+   reads "POSIX error: Operation not permitted", cuFile's -1 is EIO, and "POSIX error on pread:
+   EOF" is an unexpected end of file. The StorageError names op, file, offset, bytes and errno,
+   and quotes kvikio. Nothing is ever zero-filled.
 3. Buffers. Host buffers (aligned memoryviews, pinned staging) keep the O_DIRECT alignment check.
-   kvikio sends them through POSIX pread/pwrite and never through cuFile. Device buffers (CUDA
-   tensors, objects with ``__cuda_array_interface__``) only need the right length: cuFile accepts
-   any device address. With a checksum, a device buffer is first copied to the host on the I/O
-   thread. That costs a D2H copy, so turn checksums off for device-direct runs.
+   kvikio sends them through POSIX pread/pwrite and never through cuFile, and reads them through
+   the page cache unless ``auto_direct_io_read`` is on: tba turns on ``auto_direct_io_read`` and
+   ``auto_direct_io_write`` (26.02 and later, process-wide) before its first CuFile, whose
+   O_DIRECT descriptor kvikio opens then. Device buffers (CUDA tensors, objects with
+   ``__cuda_array_interface__``) only need the right length: cuFile accepts any device address.
+   With a checksum, a device buffer is first copied to the host on the I/O thread. That costs a
+   D2H copy, so turn checksums off for device-direct runs.
 4. Threads and task size come from ``io_threads`` and ``gds_task_bytes``. They are set through
    ``kvikio.defaults.set`` (25.04 and later) or ``num_threads_reset``/``task_size_reset`` (older
    releases; their ``set_num_threads`` is a context manager that does nothing when called bare).
-   The values are read back for the summary. The task size is also passed with every call, which
-   every release accepts. kvikio's thread pool is process-wide. Our own ``io_threads`` threads only
-   submit requests and wait on them, so that many requests are in flight, each one split into
-   tasks on kvikio's pool.
+   The values are read back for the summary. kvikio's thread pool is process-wide. Our own
+   ``io_threads`` threads only submit requests and wait on them, so that many requests are in
+   flight, each one split into tasks on kvikio's pool.
 5. GDS or compat mode. ``device_direct`` is True only when the cuFile driver reports GDS, kvikio
-   does not prefer its compat mode, and the probe passed with a device buffer. In compat mode,
-   kvikio bounces device buffers through its own host buffers, so our pinned staging is as good.
-   Under KVIKIO_COMPAT_MODE=AUTO, kvikio may still fall back to POSIX for a single file whose
-   cuFile registration fails, and its Python API does not say so.
+   does not prefer its compat mode, and the probe passed with a device buffer. That probe is at
+   least ``gds_threshold`` bytes: kvikio sends smaller device requests through POSIX, so a
+   smaller probe would never reach cuFile. In compat mode, kvikio bounces device buffers through
+   its own host buffers, so our pinned staging is as good. Under KVIKIO_COMPAT_MODE=AUTO, kvikio
+   may still fall back to POSIX for a single file whose cuFile registration fails, and its Python
+   API does not say so.
 
 What kvikio says about itself (:func:`kvikio_status`), its settings and its errors are read in
 tba/storage/_kvikio_api.py; device and host buffers are shaped in tba/storage/_kvikio_buffers.py.
