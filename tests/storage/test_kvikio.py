@@ -1,8 +1,10 @@
 """The kvikio backend against a fake kvikio (tests/storage/fake_kvikio.py) on real slab files.
 
-The fake's CuFile really opens ``/proc/self/fd/<fd>`` and really reads and writes, so these tests
-check the bytes, the files kvikio is handed, the settings, and the failure paths. What the fake
-cannot show is how real kvikio, cuFile and a GPU behave: the ``gpu``-marked test at the end does
+The fake's CuFile really opens ``/proc/self/fd/<fd>`` and really reads and writes, on threads
+started at submit and split into tasks as kvikio 26.10 does, so these tests check the bytes, the
+files kvikio is handed, the settings, and the failure paths. tests/storage/test_kvikio_real.py
+runs the backend against the real library's host path and checks that the fake answers as the
+real one does. What neither shows is cuFile and a GPU: the ``gpu``-marked test at the end does
 that where one is present.
 """
 

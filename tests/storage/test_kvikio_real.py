@@ -410,8 +410,24 @@ def _contract(where: Path, which: str) -> dict:
     out["open_missing"] = _answer(lambda: kvikio.CuFile(where / "missing", "r"))
     out["open_append"] = _answer(lambda: kvikio.CuFile(path, "a"))
     out["open_unknown"] = _answer(lambda: kvikio.CuFile(path, "x"))
+    short = where / "short"
+    short.write_bytes(b"y" * 10000)
+    out["read_split_past_eof"] = _answer(lambda: kvikio_read(kvikio, short, buf, 32768, 4096))
+    if os.path.exists("/dev/full"):
+        full = kvikio.CuFile("/dev/full", "r+")
+        out["write_full"] = _answer(lambda: full.pwrite(buf, 4096).get())
+        out["write_full_split"] = _answer(lambda: full.pwrite(buf, 1 << 16, 0, 4096).get())
+        full.close()
     out["open_w_truncates"] = [kvikio.CuFile(path, "w").close(), os.path.getsize(path)]
     return out
+
+
+def kvikio_read(kvikio, path: Path, buf, size: int, task_size: int) -> int:
+    f = kvikio.CuFile(path, "r")
+    try:
+        return f.pread(buf, size, 0, task_size).get()
+    finally:
+        f.close()
 
 
 _SCENARIOS = {
