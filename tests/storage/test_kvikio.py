@@ -499,6 +499,24 @@ def test_short_counts_that_never_finish_are_errors(open_kv, fake_cuda, op, count
     assert info.value.errno == errno.EIO
 
 
+# -- the fake itself: what tests/storage/test_kvikio_real.py cannot compare without timing ------
+def test_the_fakes_io_starts_at_submit_and_done_waits_for_it(tmp_path):
+    fake = FakeKvikio()
+    path = tmp_path / "f"
+    path.write_bytes(bytes(65536))
+    f = fake.CuFile(path, "r+")
+    data = np.frombuffer(os.urandom(65536), dtype=np.uint8).copy()
+    fake.hold_tasks = True
+    fut = f.pwrite(data, 65536, 0, 16384)
+    assert fut.done() is False and fake.pending == 4
+    fake.release()  # no get(): the tasks run all the same
+    assert fut.done() is True and path.read_bytes() == data.tobytes()
+    assert fut.get() == 65536
+    with pytest.raises(ValueError, match="does not refer to a valid shared state"):
+        fut.done()
+    f.close()
+
+
 # -- what real kvikio does that tba relied on wrongly (each test failed before its fix) -------
 def test_the_device_probe_is_large_enough_to_reach_cufile(open_kv, fake_cuda):
     """kvikio sends a device request under gds_threshold through POSIX: a probe that small
