@@ -4,6 +4,9 @@
 #   1. install tba from this checkout without fetching anything (builds the native engine);
 #      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
 #   2. pytest -m gpu: every CUDA and kvikio test (kvikio's skip when it does not import);
+#      then the kvikio backend: which mode it runs in (GDS or compat), its tests (the fake's,
+#      the gpu one, and tests/storage/test_kvikio_real.py) and, when kvikio imports, the GPU
+#      benchmark's tba mode on TBA_BACKEND=kvikio (240 s at most);
 #   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
 #   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
 #      plain gradient accumulation, W1's blocks; 120 s at most);
@@ -18,7 +21,8 @@
 #
 #   benchmarks/gpu/check.sh            # on the GPU machine (make gpu-check)
 #   benchmarks/gpu/check.sh --dry      # anywhere, < 1 min: collects the GPU tests and prints
-#                                      # why each skips, runs the benchmarks on tiny models
+#                                      # why each skips, runs the benchmarks on tiny models,
+#                                      # says whether kvikio imports
 # Environment: PYTHON (default python3), OUT_DIR (default gpu-check-out), TBA_SPILL_DIR (the
 # spill dir for tests and benchmark; default: a temporary dir), BUDGET_S (default 1200).
 set -uo pipefail
@@ -80,6 +84,29 @@ run() {
 }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 
+# Which path the kvikio backend takes here, in one line: GDS (cuFile moves device buffers) or
+# compat mode (POSIX through host memory). kvikio is optional: not importing is no failure;
+# importing and failing its probe is one on a GPU machine (exit 1), not in the dry run.
+KVIKIO_MODE='
+import sys
+from tba.config import Config
+from tba.storage.kvikio import KvikioBackend, KvikioUnavailable, kvikio_status
+st = kvikio_status()
+print("kvikio:", st["reason"])
+if not st["importable"]:
+    print("kvikio backend: not run (kvikio does not import)")
+    sys.exit(0)
+try:
+    b = KvikioBackend(Config(backend="kvikio"))
+except KvikioUnavailable as e:
+    print(f"kvikio backend: unavailable: {e}")
+    sys.exit(0 if sys.argv[1] == "1" else 1)
+with b:
+    mode = "GDS (cuFile, device buffers direct)" if b.device_direct else "compat mode (POSIX)"
+    print(f"kvikio backend: {mode}; {b.reason}")
+'
+kvikio_imports() { (cd /tmp && "$PY" -c "import kvikio" >/dev/null 2>&1); }
+
 if [ $DRY -eq 1 ]; then
     # Dry mode (CI, no GPU): the tree's own tba; the GPU tests are collected and each skip's
     # reason printed; the benchmark runs its tiny model; no install, no CPU suite.
@@ -90,6 +117,7 @@ if [ $DRY -eq 1 ]; then
         --json "$OUT_DIR/relay_bench.json"
     run overhead 120 "$PY" benchmarks/bench_overhead.py --models launch --rounds 2 --warmup 1
     run doctor 60 "$PY" -m tba.cli doctor --json --probe-bytes 16MiB
+    run kvikio_mode 60 "$PY" -c "$KVIKIO_MODE" 1
 else
     run install 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
     if ! (cd /tmp && "$PY" -c "import tba, os, sys; sys.exit(tba.__file__.startswith('$PWD/') is False)"); then
@@ -107,6 +135,14 @@ else
     fi
     run gpu_tests "$(( $(left) > 400 ? 400 : $(left) ))" "$PY" -m pytest -m gpu -rs -q \
         -p no:cacheprovider tests
+    run kvikio_mode 60 "$PY" -c "$KVIKIO_MODE" 0
+    run kvikio_tests "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" -m pytest -rs -q \
+        -p no:cacheprovider tests/storage/test_kvikio.py tests/storage/test_kvikio_real.py
+    if kvikio_imports; then
+        run kvikio_bench "$(( $(left) > 240 ? 240 : $(left) ))" env TBA_BACKEND=kvikio "$PY" \
+            benchmarks/gpu/bench_gpu.py --modes none,tba --warmup 1 --steps 3 \
+            --json "$OUT_DIR/kvikio_bench.json"
+    fi
     run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
         --json "$OUT_DIR/bench.json"
     run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
@@ -130,3 +166,8 @@ else
         --ignore=tests/integrations --ignore=tests/faults tests
 fi
 "$PY" benchmarks/gpu/summarize.py "$OUT_DIR" "$DRY" "$((SECONDS - START))"
+rc=$?
+if [ -f "$OUT_DIR/kvikio_mode.txt" ]; then  # GDS or compat mode, in the summary too
+    grep '^kvikio backend:' "$OUT_DIR/kvikio_mode.txt" | cut -c1-300 | tee -a "$OUT_DIR/summary.txt"
+fi
+exit $rc

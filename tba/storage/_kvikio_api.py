@@ -19,8 +19,13 @@ from typing import Any
 log = logging.getLogger("tba.storage")
 
 _INSTALL = "pip install 'tba[gds]'"
-# Prefixes of kvikio's messages for failed syscalls: only these end in a strerror text.
-_SYSCALL_MESSAGES = ("POSIX error", "system/library function call error")
+# Parts of kvikio's messages for failed calls: only these end in a strerror text.
+_SYSCALL_MESSAGES = (
+    "POSIX error",
+    "system/library function call error",
+    "cuFile error",
+    "Unable to write file",
+)
 _STRERRORS = sorted(
     ((os.strerror(code), code) for code in errno.errorcode if code > 0),
     key=lambda pair: -len(pair[0]),
@@ -219,7 +224,11 @@ def kvikio_status(kvikio_module: Any = None) -> dict[str, Any]:
 
 
 # -- settings ---------------------------------------------------------------------------------
-_OLD_GETTERS = {"num_threads": ("get_num_threads", "num_threads"), "task_size": ("task_size",)}
+_OLD_GETTERS = {
+    "num_threads": ("get_num_threads", "num_threads"),
+    "task_size": ("task_size",),
+    "gds_threshold": ("gds_threshold",),
+}
 
 
 def _read_setting(defaults: Any, name: str) -> int | None:
@@ -257,18 +266,81 @@ def _configure(defaults: Any, threads: int, task_bytes: int) -> tuple[int | None
     return _read_setting(defaults, "num_threads"), ""
 
 
+_DIRECT_IO = ("auto_direct_io_read", "auto_direct_io_write")
+
+
+def _direct_host_io(defaults: Any, who: str) -> tuple[bool, str]:
+    """Turn on kvikio's O_DIRECT for host buffers (NOTE [kvikio] 3); (on, what was done).
+
+    kvikio 26.02 and later read host buffers through the page cache unless
+    ``auto_direct_io_read`` is on (``auto_direct_io_write`` is on by default). Both are
+    process-wide and are read when a CuFile opens, so this runs before the first one.
+    """
+    get = getattr(defaults, "get", None)
+    setter = getattr(defaults, "set", None)
+    if not (callable(get) and callable(setter)):
+        return False, f"host I/O buffered ({who} has no auto_direct_io_read)"
+    try:
+        get(_DIRECT_IO[0])
+    except Exception:
+        return False, f"host I/O buffered ({who} has no auto_direct_io_read)"
+    try:
+        setter({name: True for name in _DIRECT_IO})
+        on = all(bool(get(name)) for name in _DIRECT_IO)
+    except Exception as e:
+        log.warning("tba.storage: could not turn on kvikio's direct I/O: %s", _describe(e))
+        return False, f"host I/O buffered (setting auto_direct_io_* failed: {_describe(e)})"
+    if not on:
+        return False, "host I/O buffered (kvikio kept auto_direct_io_* off)"
+    return True, "host I/O through O_DIRECT (auto_direct_io_read/write)"
+
+
+GDS_THRESHOLD = 16 << 10  # kvikio's default gds_threshold since 23.x
+
+
+def _gds_threshold(defaults: Any) -> int:
+    """The size under which kvikio sends a device buffer through POSIX instead of cuFile."""
+    got = _read_setting(defaults, "gds_threshold") if defaults is not None else None
+    return got if got is not None and got > 0 else GDS_THRESHOLD
+
+
 # -- errors -----------------------------------------------------------------------------------
+# kvikio's texts (26.10, cpp/include/kvikio/error.hpp and detail/posix_io.hpp) start with where
+# it threw ("KvikIO failure at: <file>:<line>: ", "cuFile error at: ...") and end with the
+# strerror text of the failed call: "POSIX error on pwrite: No space left on device",
+# "Linux system/library function call error at: ...: No such file or directory", "Unable to
+# write file: ..." (cuFileWrite's -1 and errno). Two texts say something else than they read:
+_EBADF_TEXT = "POSIX error: Operation not permitted"  # kvikio's own words for EBADF
+_EOF_TEXT = "POSIX error on pread: EOF"
+# "cuFile error at: ...: Operation not permitted" is strerror(1) of cuFileRead's -1, whose errno
+# kvikio drops: no errno at all, not EPERM.
+_CUFILE_TEXT = "cuFile error"
+
+
+def _is_eof(exc: BaseException) -> bool:
+    """kvikio's POSIX read hit the end of the file (a slab shorter than the extent)."""
+    try:
+        return _EOF_TEXT in str(exc)
+    except Exception:
+        return False
+
+
 def _errno_of(exc: BaseException) -> int:
     """The errno behind a kvikio failure, EIO when it gives none (NOTE [kvikio] 2)."""
     code = getattr(exc, "errno", None)
     if isinstance(code, int) and code > 0:
         return code
     try:
-        text = str(exc)
+        text = str(exc).strip()
     except Exception:
         return errno.EIO
-    if any(prefix in text for prefix in _SYSCALL_MESSAGES):
-        for message, value in _STRERRORS:
-            if message in text:
-                return value
+    if _EBADF_TEXT in text:
+        return errno.EBADF
+    if not any(marker in text for marker in _SYSCALL_MESSAGES):
+        return errno.EIO
+    for message, value in _STRERRORS:
+        if text.endswith(message):
+            if value == errno.EPERM and _CUFILE_TEXT in text:
+                return errno.EIO
+            return value
     return errno.EIO

@@ -17,30 +17,40 @@ NOTE [kvikio]
    filesystem. CuFiles are keyed by the slab's display name, which is never reused,
    so a recycled fd number cannot reach a stale CuFile.
 2. Transfers. ``pread``/``pwrite`` return an ``IOFuture`` whose ``get()`` gives the byte count or
-   raises. They run on the shared :class:`SlabBackend` loop (NOTE [Transfers]). A short count is
-   resubmitted for the rest, starting on a 4 KiB GPU page (or the DIO unit when larger), since
-   kvikio splits unaligned GDS requests into a slower path. A read of 0 bytes, or requests that
-   make no progress, are errors. kvikio raises RuntimeError without an errno, so the errno comes
-   from an OSError, or from the strerror text of kvikio's own syscall failures ("POSIX error
-   ...", "... system/library function call error ..."), else it is EIO. The StorageError names
-   op, file, offset, bytes and errno, and quotes kvikio. Nothing is ever zero-filled.
+   raises. kvikio splits a request into tasks on its pool, and when one fails ``get()`` rethrows
+   at once while the other tasks still use the buffer. So tba sends one request per task
+   (``gds_task_bytes``, which kvikio then runs as a single task), waits for every one, and only
+   then reports: a buffer is never freed or reused under a running task. They run on the shared
+   :class:`SlabBackend` loop (NOTE [Transfers]). kvikio's POSIX path moves every byte or raises;
+   only cuFile returns short counts, and the transfer resumes after the requests that moved all
+   their bytes, on a 4 KiB GPU page (or the DIO unit when larger), since kvikio splits unaligned
+   GDS requests into a slower path. A read of 0 bytes, or requests that make no progress, are
+   errors. kvikio raises RuntimeError without an errno, so the errno comes from an OSError, or
+   from kvikio's texts (26.10): most end in the strerror text of the failed call, its EBADF
+   reads "POSIX error: Operation not permitted", cuFile's -1 is EIO, and "POSIX error on pread:
+   EOF" is an unexpected end of file. The StorageError names op, file, offset, bytes and errno,
+   and quotes kvikio. Nothing is ever zero-filled.
 3. Buffers. Host buffers (aligned memoryviews, pinned staging) keep the O_DIRECT alignment check.
-   kvikio sends them through POSIX pread/pwrite and never through cuFile. Device buffers (CUDA
-   tensors, objects with ``__cuda_array_interface__``) only need the right length: cuFile accepts
-   any device address. With a checksum, a device buffer is first copied to the host on the I/O
-   thread. That costs a D2H copy, so turn checksums off for device-direct runs.
+   kvikio sends them through POSIX pread/pwrite and never through cuFile, and reads them through
+   the page cache unless ``auto_direct_io_read`` is on: tba turns on ``auto_direct_io_read`` and
+   ``auto_direct_io_write`` (26.02 and later, process-wide) before its first CuFile, whose
+   O_DIRECT descriptor kvikio opens then. Device buffers (CUDA tensors, objects with
+   ``__cuda_array_interface__``) only need the right length: cuFile accepts any device address.
+   With a checksum, a device buffer is first copied to the host on the I/O thread. That costs a
+   D2H copy, so turn checksums off for device-direct runs.
 4. Threads and task size come from ``io_threads`` and ``gds_task_bytes``. They are set through
    ``kvikio.defaults.set`` (25.04 and later) or ``num_threads_reset``/``task_size_reset`` (older
    releases; their ``set_num_threads`` is a context manager that does nothing when called bare).
-   The values are read back for the summary. The task size is also passed with every call, which
-   every release accepts. kvikio's thread pool is process-wide. Our own ``io_threads`` threads only
-   submit requests and wait on them, so that many requests are in flight, each one split into
-   tasks on kvikio's pool.
+   The values are read back for the summary. kvikio's thread pool is process-wide. Our own
+   ``io_threads`` threads only submit requests and wait on them, so that many requests are in
+   flight, each one split into tasks on kvikio's pool.
 5. GDS or compat mode. ``device_direct`` is True only when the cuFile driver reports GDS, kvikio
-   does not prefer its compat mode, and the probe passed with a device buffer. In compat mode,
-   kvikio bounces device buffers through its own host buffers, so our pinned staging is as good.
-   Under KVIKIO_COMPAT_MODE=AUTO, kvikio may still fall back to POSIX for a single file whose
-   cuFile registration fails, and its Python API does not say so.
+   does not prefer its compat mode, and the probe passed with a device buffer. That probe is at
+   least ``gds_threshold`` bytes: kvikio sends smaller device requests through POSIX, so a
+   smaller probe would never reach cuFile. In compat mode, kvikio bounces device buffers through
+   its own host buffers, so our pinned staging is as good. Under KVIKIO_COMPAT_MODE=AUTO, kvikio
+   may still fall back to POSIX for a single file whose cuFile registration fails, and its Python
+   API does not say so.
 
 What kvikio says about itself (:func:`kvikio_status`), its settings and its errors are read in
 tba/storage/_kvikio_api.py; device and host buffers are shaped in tba/storage/_kvikio_buffers.py.
@@ -62,7 +72,18 @@ import torch
 from ..config import Config
 from ..errors import StorageError, TBAError, hint_for, internal_error
 from ..host.memory import aligned_empty, as_memoryview
-from ._kvikio_api import _configure, _describe, _errno_of, _facts, _load, _part, kvikio_status
+from ._kvikio_api import (
+    _configure,
+    _describe,
+    _direct_host_io,
+    _errno_of,
+    _facts,
+    _gds_threshold,
+    _is_eof,
+    _load,
+    _part,
+    kvikio_status,
+)
 from ._kvikio_buffers import _CudaBytes, _device_view, _host_bytes, _host_view, _via_host
 from .base import Extent, Span
 from .checksum import checksum_fn
@@ -130,9 +151,10 @@ class KvikioBackend(SlabBackend):
         self.compat_mode = self._facts.compat_mode
         self.device_direct = False
         self.task_bytes = cfg.gds_task_bytes
-        self.threads, self._threads_note = _configure(
-            _part(mod, "defaults"), cfg.io_threads, cfg.gds_task_bytes
-        )
+        defaults = _part(mod, "defaults")
+        self.threads, self._threads_note = _configure(defaults, cfg.io_threads, cfg.gds_task_bytes)
+        self.host_direct_io, self._direct_note = _direct_host_io(defaults, self._facts.who)
+        self.gds_threshold = _gds_threshold(defaults)
         self._device_probe = "not run"
         self._files: dict[str, Any] = {}
         self._kv_lock = threading.Lock()
@@ -190,7 +212,9 @@ class KvikioBackend(SlabBackend):
             )
 
     def _probe_device(self, f: Any, align: int, shown: str) -> None:
-        pair = _cuda_probe_pair(align)
+        # kvikio sends a device request under gds_threshold through POSIX, not cuFile (NOTE 5)
+        nbytes = -(-max(align, self.gds_threshold) // align) * align
+        pair = _cuda_probe_pair(nbytes)
         if pair is None:
             self._device_probe = "skipped (no CUDA device)"
             return
@@ -219,8 +243,8 @@ class KvikioBackend(SlabBackend):
         return (
             f"{self._facts.who} write+read probe passed on {self.fs} at {self._spill.root} "
             f"(dio align {m}/{o}, using {self.alignment}); device-buffer probe "
-            f"{self._device_probe}; {path}; {threads} kvikio threads{note}, "
-            f"{self.task_bytes >> 10} KiB tasks"
+            f"{self._device_probe}; {path}; {self._direct_note}; {threads} kvikio "
+            f"threads{note}, {self.task_bytes >> 10} KiB tasks"
         )
 
     # -- files --------------------------------------------------------------------------------
@@ -265,17 +289,11 @@ class KvikioBackend(SlabBackend):
         failures: list[BaseException] = []
 
         def call(view: Any, at: int) -> int:
-            want = len(view)
             try:
-                got = int(method(view, want, at, self.task_bytes).get())
+                return self._tasks(method, view, at)
             except Exception as e:
                 failures.append(e)
                 raise OSError(_errno_of(e), str(e)) from None
-            if not 0 <= got <= want:
-                bad = OSError(errno.EIO, f"kvikio reported {got} bytes for a {want}-byte request")
-                failures.append(bad)
-                raise bad
-            return got
 
         try:
             self._transfer(op, call, buf, off, shown)
@@ -283,8 +301,45 @@ class KvikioBackend(SlabBackend):
             if not failures:
                 raise
             cause = failures[-1]
-            hint = f"kvikio: {_describe(cause)}. {hint_for(err.errno)}".strip()
+            hint = hint_for(err.errno)
+            if _is_eof(cause):
+                hint = (
+                    "Unexpected end of file: the spill file is shorter than the extent. Nothing "
+                    "was zero-filled; the tensor cannot be restored."
+                )
+            hint = f"kvikio: {_describe(cause)}. {hint}".strip()
             raise StorageError(err.op, err.path, err.offset, err.nbytes, err.errno, hint) from cause
+
+    def _tasks(self, method: Callable[..., Any], view: Any, at: int) -> int:
+        """One kvikio request per task of ``view``, all waited for; the bytes moved from the
+        start of ``view`` (NOTE 2)."""
+        n, step = len(view), self.task_bytes
+        futures: list[tuple[int, Any]] = []
+        first: BaseException | None = None
+        for start in range(0, n, step):
+            part = view[start : start + step]
+            try:
+                futures.append((len(part), method(part, len(part), at + start, step)))
+            except Exception as e:
+                first = e
+                break
+        done, whole = 0, True
+        for want, fut in futures:  # every one, even after a failure: they all use the buffer
+            try:
+                got = int(fut.get())
+            except Exception as e:
+                first = e if first is None else first
+                whole = False
+                continue
+            if not 0 <= got <= want:
+                bad = OSError(errno.EIO, f"kvikio reported {got} bytes for a {want}-byte request")
+                first = bad if first is None else first
+            if whole:
+                done += got
+                whole = got == want
+        if first is not None:
+            raise first
+        return done
 
     def _resume_at(self, pos: int, n: int) -> int:
         return pos - pos % max(self._unit, _GPU_PAGE) if pos < n else pos

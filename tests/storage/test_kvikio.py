@@ -1,8 +1,10 @@
 """The kvikio backend against a fake kvikio (tests/storage/fake_kvikio.py) on real slab files.
 
-The fake's CuFile really opens ``/proc/self/fd/<fd>`` and really reads and writes, so these tests
-check the bytes, the files kvikio is handed, the settings, and the failure paths. What the fake
-cannot show is how real kvikio, cuFile and a GPU behave: the ``gpu``-marked test at the end does
+The fake's CuFile really opens ``/proc/self/fd/<fd>`` and really reads and writes, on threads
+started at submit and split into tasks as kvikio 26.10 does, so these tests check the bytes, the
+files kvikio is handed, the settings, and the failure paths. tests/storage/test_kvikio_real.py
+runs the backend against the real library's host path and checks that the fake answers as the
+real one does. What neither shows is cuFile and a GPU: the ``gpu``-marked test at the end does
 that where one is present.
 """
 
@@ -21,7 +23,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
-from fake_kvikio import FakeDeviceBuffer, FakeKvikio, host_copy_of_fake_device
+from fake_kvikio import FakeDeviceBuffer, FakeKvikio, host_copy_of_fake_device, posix_error
 from storage_util import empty, filled
 
 import tba.storage._kvikio_buffers as kv_buffers
@@ -207,7 +209,7 @@ def test_probe_fails_when_every_transfer_raises(make_cfg, no_cuda, where):
     with pytest.raises(KvikioUnavailable) as info:
         KvikioBackend(make_cfg(), kvikio_module=fake)
     msg = str(info.value)
-    assert msg.startswith("tba.storage: kvikio 25.04.00 imported, but its probe through CuFile ")
+    assert msg.startswith("tba.storage: kvikio 26.10.00 imported, but its probe through CuFile ")
     assert "probe write of 4096 bytes at offset 0 in " in msg and "/probe (unlinked)" in msg
     assert "EIO (Input/output error)" in msg  # kvikio gave no errno
     assert "libcuda.so.1: cannot open shared object file" in msg
@@ -298,13 +300,16 @@ def test_failing_device_probe_keeps_the_host_path(make_cfg, fake_cuda):
     fake.fail_when = lambda op, offset, size: offset == 4096  # the device pair's page
     with KvikioBackend(make_cfg(), kvikio_module=fake) as b:
         assert b.device_direct is False
-        assert "device-buffer probe failed (probe write of 4096 bytes at offset 4096" in b.reason
+        assert "device-buffer probe failed (probe write of 16384 bytes at offset 4096" in b.reason
 
 
 # -- settings ---------------------------------------------------------------------------------
 def test_threads_and_task_size_set_with_the_new_api(open_kv):
     b, fake = open_kv(io_threads=6, gds_task_bytes="2MiB")
-    assert fake.settings_calls == [("set", {"num_threads": 6, "task_size": 2 << 20})]
+    assert fake.settings_calls == [
+        ("set", {"num_threads": 6, "task_size": 2 << 20}),
+        ("set", {"auto_direct_io_read": True, "auto_direct_io_write": True}),
+    ]
     assert b.threads == 6 and b.task_bytes == 2 << 20
     assert "6 kvikio threads, 2048 KiB tasks" in b.reason
     ext = b.allocate(1 << 20)
@@ -331,7 +336,7 @@ def test_settings_that_cannot_be_applied_are_reported(open_kv):
 def test_implements_the_protocol(open_kv):
     b, _ = open_kv()
     assert isinstance(b, Backend) and b.name == "kvikio"
-    assert b.reason.startswith("kvikio: kvikio 25.04.00 write+read probe passed on ")
+    assert b.reason.startswith("kvikio: kvikio 26.10.00 write+read probe passed on ")
     ext = b.allocate(5000)
     fut = b.write(ext, filled(ext.length))
     assert isinstance(fut, Future) and fut.result() is None
@@ -448,10 +453,11 @@ def test_read_error_is_never_zeros(open_kv):
     assert back == empty(ext.length)  # untouched marker, not zeros
 
 
-def test_short_counts_are_resubmitted_from_an_aligned_byte(open_kv):
-    b, fake = open_kv()
+def test_short_counts_are_resubmitted_from_an_aligned_byte(open_kv, fake_cuda):
+    """Only cuFile returns short counts (kvikio's POSIX path loops until done)."""
+    b, fake = open_kv(FakeKvikio(gds=True))
     ext = b.allocate(65536)
-    data = filled(ext.length)
+    data = FakeDeviceBuffer(ext.length)
     seen = []
 
     def short(op, offset, size):  # the first request of each op moves 10000 bytes
@@ -460,9 +466,9 @@ def test_short_counts_are_resubmitted_from_an_aligned_byte(open_kv):
 
     fake.short = short
     b.write(ext, data).result()
-    back = empty(ext.length)
+    back = FakeDeviceBuffer(ext.length, fill=0xA5)
     b.read(ext, back).result()
-    assert back == data
+    assert np.array_equal(back.host, data.host)
     # 10000 bytes done: resubmitted from 8192 (the last 4 KiB boundary), for the rest
     assert seen == [
         ("pwrite", 0, 65536),
@@ -481,16 +487,163 @@ def test_short_counts_are_resubmitted_from_an_aligned_byte(open_kv):
         ("pread", 1 << 30, "kvikio reported 1073741824 bytes for a 65536-byte request"),
     ],
 )
-def test_short_counts_that_never_finish_are_errors(open_kv, op, count, text):
-    b, fake = open_kv()
+def test_short_counts_that_never_finish_are_errors(open_kv, fake_cuda, op, count, text):
+    b, fake = open_kv(FakeKvikio(gds=True))
     ext = b.allocate(65536)
     b.write(ext, filled(ext.length)).result()
     fake.short = lambda o, offset, size: count if o == op else size
-    buf = filled(ext.length) if op == "pwrite" else empty(ext.length)
+    buf = FakeDeviceBuffer(ext.length)
     call = b.write if op == "pwrite" else b.read
     with pytest.raises(StorageError, match=text) as info:
         call(ext, buf).result()
     assert info.value.errno == errno.EIO
+
+
+# -- the fake itself: what tests/storage/test_kvikio_real.py cannot compare without timing ------
+def test_the_fakes_io_starts_at_submit_and_done_waits_for_it(tmp_path):
+    fake = FakeKvikio()
+    path = tmp_path / "f"
+    path.write_bytes(bytes(65536))
+    f = fake.CuFile(path, "r+")
+    data = np.frombuffer(os.urandom(65536), dtype=np.uint8).copy()
+    fake.hold_tasks = True
+    fut = f.pwrite(data, 65536, 0, 16384)
+    assert fut.done() is False and fake.pending == 4
+    fake.release()  # no get(): the tasks run all the same
+    assert fut.done() is True and path.read_bytes() == data.tobytes()
+    assert fut.get() == 65536
+    with pytest.raises(ValueError, match="does not refer to a valid shared state"):
+        fut.done()
+    f.close()
+
+
+# -- what real kvikio does that tba relied on wrongly (each test failed before its fix) -------
+def test_the_device_probe_is_large_enough_to_reach_cufile(open_kv, fake_cuda):
+    """kvikio sends a device request under gds_threshold through POSIX: a probe that small
+    says nothing about cuFile."""
+    fake = FakeKvikio(gds=True)
+    fake.settings["gds_threshold"] = 256 << 10
+    b, _ = open_kv(fake)
+    device = [r for r in fake.requests if r[2] != 0]  # the host pair is at offset 0
+    assert device and all(r[3] >= 256 << 10 for r in device)
+    assert {p[3] for p in fake.paths if p[1] != 0} == {"cufile"}
+    assert b.device_direct is True
+    src, dst = fake_cuda[0]
+    assert src.nbytes == 256 << 10 and np.array_equal(src.host, dst.host)
+
+
+@pytest.mark.parametrize("api", ["new", "old"])
+def test_the_device_probe_follows_the_default_threshold(open_kv, fake_cuda, api):
+    b, fake = open_kv(FakeKvikio(gds=True, api=api))
+    device = [r for r in fake.requests if r[2] != 0]
+    assert [r[3] for r in device] == [16 << 10, 16 << 10]  # kvikio's default, 16 KiB
+    assert {p[3] for p in fake.paths if p[1] != 0} == {"cufile"}
+
+
+def test_host_reads_and_writes_go_through_o_direct(open_kv):
+    """kvikio reads host buffers through the page cache unless auto_direct_io_read is on."""
+    b, fake = open_kv()
+    if fake.files[0].fd_direct == -1:
+        pytest.skip("the spill filesystem does not open files with O_DIRECT")
+    assert fake.settings["auto_direct_io_read"] is True
+    assert fake.settings["auto_direct_io_write"] is True
+    assert "host I/O through O_DIRECT" in b.reason
+    ext = b.allocate(200_000)
+    data = filled(ext.length)
+    b.write(ext, data).result()
+    back = empty(ext.length)
+    b.read(ext, back).result()
+    assert back == data
+    assert {p[3] for p in fake.paths} == {"posix-direct"}
+
+
+def test_a_release_without_direct_io_settings_still_opens(open_kv):
+    b, fake = open_kv(FakeKvikio(version="25.12.00", direct_io=False))
+    assert "auto_direct_io_read" not in fake.settings
+    assert "host I/O buffered (kvikio 25.12.00 has no auto_direct_io_read)" in b.reason
+    assert b.threads == 4
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_failed_task_waits_for_the_others_before_the_buffer_goes(open_kv, op):
+    """kvikio's get() rethrows the first failed task while later tasks still use the buffer;
+    tba must not report (and so free or reuse the buffer) before all of them ended."""
+    b, fake = open_kv(gds_task_bytes="1MiB")
+    ext = b.allocate(3 << 20)
+    b.write(ext, filled(ext.length)).result()
+    fake.hold_tasks = True  # a busy pool: a task runs once something waits for it
+    fake.raise_at_get = posix_error("pwrite" if op == "write" else "pread", errno.ENOSPC)
+    fake.fail_when = lambda o, offset, size: offset == ext.offset
+    buf = filled(ext.length) if op == "write" else empty(ext.length)
+    try:
+        with pytest.raises(StorageError) as info:
+            getattr(b, op)(ext, buf).result()
+        assert fake.pending == 0  # no task of the request still holds the buffer
+    finally:
+        fake.release()
+    assert info.value.errno == errno.ENOSPC and info.value.offset == ext.offset
+    assert b.usage()["io_errors"] == 1
+
+
+_AT = "/__w/kvikio/kvikio/cpp/include/kvikio/detail/posix_io.hpp:90"
+_CU = "/__w/kvikio/kvikio/cpp/include/kvikio/error.hpp:270"
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "kind"),
+    [
+        (f"KvikIO failure at: {_AT}: POSIX error on pwrite: No space left on device", 28, "disk"),
+        (f"KvikIO failure at: {_AT}: POSIX error on pwrite: Disk quota exceeded", 122, "disk"),
+        (f"KvikIO failure at: {_AT}: POSIX error on pwrite: File too large", 27, "io"),
+        (f"KvikIO failure at: {_AT}: POSIX error: Operation not permitted", 9, "io"),  # EBADF
+        (f"cuFile error at: {_CU}: No space left on device", 28, "disk"),
+        (f"KvikIO failure at: {_CU}: Unable to write file: No space left on device", 28, "disk"),
+        (f"cuFile error at: {_CU}: Operation not permitted", 5, "io"),  # cuFile's -1: no errno
+        (f"cuFile error at: {_CU}: cufile invalid value", 5, "io"),
+        (
+            "Unable to open file. Linux system/library function call error at: x.cpp:160: "
+            "Permission denied",
+            13,
+            "permission",
+        ),
+        (f"KvikIO failure at: {_AT}: POSIX error on pread: EOF", 5, "io"),
+    ],
+    ids=[
+        "enospc",
+        "edquot",
+        "efbig",
+        "ebadf",
+        "cufile-enospc",
+        "cufile-write-enospc",
+        "cufile-minus-one",
+        "cufile-op-error",
+        "open-eacces",
+        "eof",
+    ],
+)
+def test_errnos_come_from_kvikios_real_messages(open_kv, text, code, kind):
+    """The texts are kvikio 26.10's (cpp/include/kvikio/error.hpp, detail/posix_io.hpp)."""
+    from tba.records.reasons import kept_reason_for
+
+    b, fake = open_kv()
+    ext = b.allocate(65536)
+    fake.raise_at_get = RuntimeError(text)
+    with pytest.raises(StorageError) as info:
+        b.write(ext, filled(ext.length)).result()
+    assert info.value.errno == code, str(info.value)
+    reason = kept_reason_for(info.value.errno)
+    assert {"disk": "disk_full", "io": "io_error", "permission": "permission"}[kind] == reason
+
+
+def test_end_of_file_from_kvikio_says_so(open_kv):
+    b, fake = open_kv()
+    ext = b.allocate(65536)
+    b.write(ext, filled(ext.length)).result()
+    os.ftruncate(b._slabs.slabs[ext.slab].fd, ext.offset + 4096)  # the slab lost its tail
+    back = empty(ext.length)
+    with pytest.raises(StorageError, match="Unexpected end of file") as info:
+        b.read(ext, back).result()
+    assert info.value.errno == errno.EIO and "POSIX error on pread: EOF" in str(info.value)
 
 
 # -- files, registration, close ---------------------------------------------------------------
@@ -635,7 +788,7 @@ def test_auto_passes_over_kvikio_without_gds(make_cfg, monkeypatch, fake_cuda):
     fake_cuda_host(monkeypatch, FakeKvikio(gds=False))
     with open_backend(make_cfg(backend="auto")) as b:
         assert b.name != "kvikio"
-        assert b.reason.startswith("auto: kvikio skipped (kvikio 25.04.00 imported; GDS driver not")
+        assert b.reason.startswith("auto: kvikio skipped (kvikio 26.10.00 imported; GDS driver not")
 
 
 def test_auto_passes_over_kvikio_without_cuda(make_cfg, monkeypatch):
