@@ -27,7 +27,7 @@ from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
 from .blocks.kept import KeptBlocks
 from .blocks.selective import kept_by_selective
-from .capture.derived import derived
+from .capture.derived import FrozenCasts, derived
 from .capture.device import CpuAdapter
 from .capture.dtensor import DTensorHandle, is_dtensor, local_of, waited
 from .capture.dtensor import kind as subclass_name
@@ -118,6 +118,7 @@ class Packer:
         self.time_hooks = cfg.policy == "auto" or bool(cfg.block_policy) or bool(cfg.trace)
         self.writer = Writer(io, index, groups, cfg)
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
+        self.frozen = FrozenCasts()  # its frozen parameters, while a step has it
         self._seq = 0
         self._waited_out = -1  # the step in which a staging wait timed out
         self._shapes: dict[torch.Size, torch.Size] = {}  # NOTE [Shared geometry]
@@ -141,11 +142,15 @@ class Packer:
             return Passed(t, leaf=True)
         if grad and self.recompute_weights:
             d = derived(t, self.param_storages)
-            if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
-                with self.io.lock:
-                    st.packs += 1
-                    st.recomputed(storage, cdata, d.nbytes)
-                return d
+        elif not grad and self.frozen.sizes and storage.nbytes() in self.frozen.sizes:
+            d = self.frozen.derived(t, storage)  # perhaps a frozen weight's cast (rule 5)
+        else:
+            d = None
+        if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
+            with self.io.lock:
+                st.packs += 1
+                st.recomputed(storage, cdata, d.nbytes)
+            return d
         groups = self.groups
         index = self.index
         if groups.fast_ok and cdata not in index.kept and cdata not in index.captured:
