@@ -63,6 +63,7 @@ function of ``W`` alone. Such a tensor is recomputed at unpack instead. The rule
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import Any
 
@@ -228,7 +229,8 @@ _CAST_TO = (torch.bfloat16, torch.float16, torch.float32)  # what autocast casts
 _FROM = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _SAMPLES = 8
-_CHUNK = 1 << 20  # elements compared at a time: the transient cast stays a few MiB
+_CHUNK = 1 << 18  # elements cast and compared at a time on the CPU: a cache-sized scratch
+_CHUNK_DEVICE = 1 << 24  # on a GPU, where each comparison waits for the device
 
 
 class _ModelIndex:
@@ -363,13 +365,37 @@ def _print(
 
 
 def _same_bits(b: torch.Tensor, p: torch.Tensor) -> bool:
-    """``b`` holds exactly the bits of ``p.to(b.dtype)`` (both contiguous, same shape)."""
-    bits = _BITS[b.dtype]
+    """``b`` holds exactly the bits of ``p.to(b.dtype)`` (both contiguous, same shape). The
+    cast is made chunk by chunk into one scratch buffer with ``copy_``, the kernel ``to()``
+    itself runs; on the CPU the bytes are compared with ``memcmp``."""
     flat_b, flat_p = b.detach().view(-1), p.detach().view(-1)
     n = flat_b.numel()
+    cpu = b.is_cpu and _memcmp is not None
+    step = _CHUNK if b.is_cpu else _CHUNK_DEVICE
+    scratch = torch.empty(min(n, step), dtype=b.dtype, device=b.device)
+    bits, size = _BITS[b.dtype], b.element_size()
     with torch.no_grad():
-        for i in range(0, n, _CHUNK):
-            cast = flat_p[i : i + _CHUNK].to(b.dtype)
-            if not torch.equal(flat_b[i : i + _CHUNK].view(bits), cast.view(bits)):
+        for i in range(0, n, step):
+            m = min(step, n - i)
+            cast = scratch[:m]
+            cast.copy_(flat_p[i : i + m])
+            mine = flat_b[i : i + m]
+            if cpu:
+                if _memcmp(mine.data_ptr(), cast.data_ptr(), m * size):  # type: ignore[misc]
+                    return False
+            elif not torch.equal(mine.view(bits), cast.view(bits)):
                 return False
     return True
+
+
+def _libc_memcmp() -> Any:
+    try:
+        f = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):  # pragma: no cover - no C library to call: torch.equal
+        return None
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return f
+
+
+_memcmp = _libc_memcmp()
