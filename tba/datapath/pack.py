@@ -47,7 +47,9 @@ from .write import Writer
 #    weight and buffer storages (a frozenset found once per model, NOTE [Model storages] in
 #    tba/datapath/offloader.py): those are passed through with their version (a Passed);
 # 3. a weight cast is recognised from its grad_fn alone (no walk unless the node is a cast),
-#    looked at only for tensors that require grad;
+#    looked at only for tensors that require grad; one that does not (a frozen weight's cast)
+#    is looked at only when its storage size is one of a frozen parameter's casts (a set,
+#    empty unless the step's model has frozen parameters);
 # 4. the fast path, while the forward is in a block (or in any window under TBA_POLICY=keep)
 #    and no chooser measures what blocks save (``GroupTracker.fast_ok``): a tensor whose group
 #    keeps everything (``GroupTracker.fast``: a kept block, a recomputed block's inputs) or whose
