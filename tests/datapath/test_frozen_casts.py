@@ -210,7 +210,7 @@ def test_a_view_of_a_frozen_cast_is_rebuilt_with_its_sizes_strides_and_offset(vi
 def test_what_is_not_a_plain_cast_is_not_recognised():
     """An edited cast (its version moved), a cast that requires grad (rule 1's business), one
     of a trainable parameter, a clone in the same dtype, a cast on part of a larger storage,
-    and the cast's values in another shape."""
+    the cast's values in another shape, and the cast viewed as another dtype."""
     torch.manual_seed(0)
     holder = nn.Linear(64, 128)
     holder.weight.requires_grad_(False)
@@ -229,6 +229,7 @@ def test_what_is_not_a_plain_cast_is_not_recognised():
         "same dtype": w.detach().clone(),
         "inside a larger storage": inside,
         "another shape": w.detach().to(BF16).flatten().clone(),
+        "viewed as another dtype": w.detach().to(BF16).view(torch.float16),
     }
     for name, t in cases.items():
         s = t.untyped_storage()

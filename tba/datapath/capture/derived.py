@@ -307,6 +307,8 @@ class FrozenCasts:
         index = self._index
         if index is None or b.requires_grad or t._version or b.storage_offset():
             return None
+        if t.dtype is not b.dtype:  # a view as another dtype: rule 2 rebuilds B's dtype only
+            return None
         cdata = storage._cdata
         seen = self._seen.get(cdata)
         if seen is not None and not seen[0].expired():
