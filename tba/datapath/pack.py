@@ -144,15 +144,18 @@ class Packer:
             return Passed(t, leaf=True)
         if grad and self.recompute_weights:
             d = derived(t, self.param_storages)
-        elif not grad and self.frozen.sizes and storage.nbytes() in self.frozen.sizes:
-            d = self.frozen.derived(t, storage)  # perhaps a frozen weight's cast (rule 5)
-        else:
-            d = None
-        if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
-            with self.io.lock:
-                st.packs += 1
-                st.recomputed(storage, cdata, d.nbytes)
-            return d
+            if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
+                with self.io.lock:
+                    st.packs += 1
+                    st.recomputed(storage, cdata, d.nbytes)
+                return d
+        elif self.frozen.sizes and not grad and storage.nbytes() in self.frozen.sizes:
+            d = self.frozen.derived(t, storage)  # a frozen weight's cast? (rule 5 of the NOTE)
+            if d is not None:
+                with self.io.lock:
+                    st.packs += 1
+                    st.recomputed(storage, cdata, d.nbytes)
+                return d
         groups = self.groups
         index = self.index
         if groups.fast_ok and cdata not in index.kept and cdata not in index.captured:
