@@ -183,6 +183,8 @@ class Offloader:
             self.metrics.track(st)
             if model is not None:
                 self.packer.param_storages = self._storages.of(model)
+                if self.config.recompute_weights:  # NOTE [Weight-derived tensors], rule 5
+                    self.packer.frozen.begin(model, self.packer.param_storages)
             elif (
                 self.config.policy in ("recompute", "selective", "auto") or self.config.block_policy
             ):
@@ -216,6 +218,7 @@ class Offloader:
                 st.finish_forward()
                 self._active_thread = None
                 self.packer.param_storages = frozenset()
+                self.packer.frozen.end()
                 self._last = st
                 if not self.depth.measured:  # NOTE [Memory budget]: the first step's window
                     self.prefetcher.budget = self.depth.first(st.saved_bytes, self._room(st))

@@ -27,7 +27,7 @@ from ..records.step import StepState, StorageRef
 from .blocks.groups import GroupTracker
 from .blocks.kept import KeptBlocks
 from .blocks.selective import kept_by_selective
-from .capture.derived import derived
+from .capture.derived import FrozenCasts, derived
 from .capture.device import CpuAdapter
 from .capture.dtensor import DTensorHandle, is_dtensor, local_of, waited
 from .capture.dtensor import kind as subclass_name
@@ -47,7 +47,9 @@ from .write import Writer
 #    weight and buffer storages (a frozenset found once per model, NOTE [Model storages] in
 #    tba/datapath/offloader.py): those are passed through with their version (a Passed);
 # 3. a weight cast is recognised from its grad_fn alone (no walk unless the node is a cast),
-#    looked at only for tensors that require grad;
+#    looked at only for tensors that require grad; one that does not (a frozen weight's cast)
+#    is looked at only when its storage size is one of a frozen parameter's casts (a set,
+#    empty unless the step's model has frozen parameters);
 # 4. the fast path, while the forward is in a block (or in any window under TBA_POLICY=keep)
 #    and no chooser measures what blocks save (``GroupTracker.fast_ok``): a tensor whose group
 #    keeps everything (``GroupTracker.fast``: a kept block, a recomputed block's inputs) or whose
@@ -118,6 +120,7 @@ class Packer:
         self.time_hooks = cfg.policy == "auto" or bool(cfg.block_policy) or bool(cfg.trace)
         self.writer = Writer(io, index, groups, cfg)
         self.param_storages: frozenset[int] = frozenset()  # of the model given to step()
+        self.frozen = FrozenCasts()  # its frozen parameters, while a step has it
         self._seq = 0
         self._waited_out = -1  # the step in which a staging wait timed out
         self._shapes: dict[torch.Size, torch.Size] = {}  # NOTE [Shared geometry]
@@ -142,6 +145,13 @@ class Packer:
         if grad and self.recompute_weights:
             d = derived(t, self.param_storages)
             if d is not None:  # a weight cast: rebuilt at unpack (NOTE [Weight-derived tensors])
+                with self.io.lock:
+                    st.packs += 1
+                    st.recomputed(storage, cdata, d.nbytes)
+                return d
+        elif self.frozen.sizes and not grad and storage.nbytes() in self.frozen.sizes:
+            d = self.frozen.derived(t, storage)  # a frozen weight's cast? (rule 5 of the NOTE)
+            if d is not None:
                 with self.io.lock:
                     st.packs += 1
                     st.recomputed(storage, cdata, d.nbytes)

@@ -161,9 +161,10 @@ def test_a_replaced_parameter_storage_raises_naming_the_switch(tmp_path):
 
 
 # -- which tensors qualify ----------------------------------------------------------------------
-def test_frozen_parameters_have_no_graph_link_so_their_casts_are_offloaded(tmp_path):
-    """A frozen weight's cast has no grad_fn: not recognised (NOTE [Weight-derived tensors],
-    rule 4), written as before, gradients still exact."""
+def test_frozen_parameters_casts_are_recognised_by_value_not_by_the_graph(tmp_path):
+    """A frozen weight's cast has no grad_fn: rules 1 to 3 cannot see it, rule 5 recognises it
+    by its values (tests/datapath/test_frozen_casts.py has the details); with the rule off
+    (TBA_RECOMPUTE_WEIGHTS=0) it is written as before, gradients exact either way."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=128))
     for b in model.blocks:
@@ -171,14 +172,15 @@ def test_frozen_parameters_have_no_graph_link_so_their_casts_are_offloaded(tmp_p
     batch = random_batch(model.cfg, 2)
     frozen = [b.fc1.weight.detach().to(BF16) for b in model.blocks]
     loss0, grads0 = step(model, batch)
-    with offloader(tmp_path) as off:
-        scan = WriteScanner(off, frozen)
-        loss, grads = step(model, batch, off)
-        st = off.stats()
-    assert torch.equal(loss, loss0) and same(grads, grads0)
-    assert scan.found == {0, 1}
-    trainable = sum(isinstance(m, nn.Linear) for m in model.modules()) - len(frozen)
-    assert st["recomputed_tensors"] == trainable
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    for on in (True, False):
+        with offloader(tmp_path / str(on), recompute_weights=on) as off:
+            scan = WriteScanner(off, frozen)
+            loss, grads = step(model, batch, off)
+            st = off.stats()
+        assert torch.equal(loss, loss0) and same(grads, grads0)
+        assert scan.found == (set() if on else {0, 1})
+        assert st["recomputed_tensors"] == (linears if on else 0)
 
 
 def test_tied_weights_are_recomputed_from_the_shared_parameter(tmp_path):
