@@ -99,6 +99,7 @@ class Offloader:
             budget=config.memory_budget,
             bounded=config.policy == "auto",  # bounded by auto's default budget share
             cadence=Cadence(clock),
+            max_slowdown=config.max_slowdown,
         )
         scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
         self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
@@ -108,6 +109,7 @@ class Offloader:
         self.index = Index(on_resident=self._peak)
         self.io = IO(config, backend, self.index, self.metrics, clock)
         self.config = self.io.config  # as run: a budget's staging_full (tba/datapath/io.py)
+        self.keeper.staging = (self.config.staging_bytes, self.config.staging_full == "wait")
         self.reader = Reader(self.io, self.index, self.prefetcher)
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
