@@ -193,6 +193,7 @@ class KeepController:
         self.max_slowdown = max_slowdown
         self.staging = staging
         self.room: int | None = None
+        self.fits = True  # the last decision's K fits the budget (NOTE [Memory budget])
         self.margin = 0  # bytes a measured peak exceeded its prediction by, taken off the budget
         self.decided_at = 0  # step index of the last decision
         self.basis: tuple[float, ...] | None = None  # (write, read, allowed) it decided on
@@ -311,6 +312,9 @@ class KeepController:
             best, why = self._within_budget(preds, base, limit)
             if best is None:
                 best = min(preds, key=lambda p: (p.peak_bytes, p.k))
+                if self.room is not None and not self.fits:
+                    # NOTE [No growth past the budget] in tba/decide/budget.py
+                    want = min(want, max(smallest, self.room))
                 why = "no K meets TBA_MEMORY_BUDGET: the smallest predicted peak"
                 # NOTE [Window past the budget] in tba/decide/budget.py
                 k, first = best.k, kept_from(best.k)
@@ -324,6 +328,7 @@ class KeepController:
                     ),
                 )
         self.room = None if allowed is None else best.window
+        self.fits = allowed is None or best.peak_bytes <= max(0, allowed - self.margin)
         self._decided(step, best, why, base, w, r, basis, preds, allowed)
         self.kept_basis = base if best.k >= max_k else None
         if best.k >= max_k > 0 and ran < max_k:

@@ -176,6 +176,8 @@ class PolicyController:
         # its choices that a step ran (per block), the last run last: NOTE [Unmeasured margin]
         self.measured: dict[tuple[str, ...], None] = {}
         self.room: int | None = None  # NOTE [Window under auto]
+        # the window the next step runs with (NOTE [No growth past the budget] in budget.py)
+        self.window: int | None = None
         self.fits = True  # the last decision's assignment fits the target (NOTE [Chooser])
         self.decision: dict[str, Any] = {
             "policy": policy,
@@ -253,6 +255,7 @@ class PolicyController:
             # NOTE [Decision cost]: an overrun does not wait for the cadence
             self._decide(step, groups, fixed, w, r, limit, prefetch)
         self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
+        self.window = prefetch if self.room is None else min(prefetch, self.room)
 
     def _target(self, limit: int | None, measured: bool = True) -> int | None:
         """What an assignment must fit (NOTE [Budget margin], NOTE [Unmeasured margin]): one
@@ -346,6 +349,8 @@ class PolicyController:
             return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
         # NOTE [Window past the budget] in tba/decide/budget.py: the target is out of reach anyway
         room, _ = widest_window(narrow.peak_bytes, smallest, prefetch, narrow, at)
+        if self.window is not None:  # NOTE [No growth past the budget] in tba/decide/budget.py
+            room = min(room, max(smallest, self.window))
         return None if room >= prefetch else room
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:

@@ -207,3 +207,22 @@ def test_max_slowdown_setting(monkeypatch):
     with pytest.raises(tba.ConfigError, match=r"max_slowdown='fast' is invalid"):
         monkeypatch.delenv("TBA_MAX_SLOWDOWN")
         tba.Config(max_slowdown="fast")
+
+
+def test_a_budget_out_of_reach_does_not_let_the_window_grow():
+    """NOTE [No growth past the budget]: no K fits, every step stalls and wants a wider window;
+    the window the budget leaves never grows past the one in force."""
+    m = Machine(fwd=0.1, bwd=0.2, nbytes=100 * MB, write_bps=50e6, read_bps=50e6)
+    ctl = controller(budget=20 * MB, staging=(256 * MIB, True))
+    rooms = []
+    for step in range(1, 7):
+        ctl.prefetch = (16 << 20) * 2**step  # what DepthController wants after each stall
+        recs = m.records(ctl.k)
+        for r in recs:
+            r["stall_seconds"] = 0.1
+        ctl.observe(
+            step, recs, 50e6, 50e6, kept_from, N, largest_read=16 * MIB, saved_bytes=N * 100 * MB
+        )
+        assert ctl.decision["reason"].startswith("no K meets")
+        rooms.append(ctl.room)
+    assert all(b <= a for a, b in zip(rooms, rooms[1:]))
