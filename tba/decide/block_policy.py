@@ -384,7 +384,9 @@ class PolicyController:
             "window_bytes": prefetch,  # the read-ahead window it predicted with
         }
         if max_step is not None:
-            self.decision.update(reference_seconds=self.reference, max_step_seconds=max_step)
+            self.decision.update(
+                predicted_keep_all_seconds=self.reference, predicted_bound_seconds=max_step
+            )
         if changed:
             log.info(
                 "tba: policy=auto chose %s after step %d (%s; predicted step %.3f s, peak %d "

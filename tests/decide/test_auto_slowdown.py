@@ -26,7 +26,7 @@ def test_fast_disk_frees_memory_within_the_bound():
     ctl.observe(1, records(["offload"] * 6), 20e9, 20e9, NO_BUDGET, 128 * MiB)
     d = ctl.decision
     assert "lowest predicted peak within TBA_MAX_SLOWDOWN=1.05" in d["reason"]
-    assert d["predicted_step_seconds"] <= 1.05 * d["reference_seconds"]
+    assert d["predicted_step_seconds"] <= 1.05 * d["predicted_keep_all_seconds"]
     gs, _ = ctl._costs(records(["offload"] * 6))
     keep = predict(gs, ["keep"] * 6, 20e9, 20e9, 128 * MiB)
     assert d["predicted_peak_bytes"] < keep.peak_bytes / 2  # most of it freed
