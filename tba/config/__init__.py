@@ -120,6 +120,7 @@ class Config:
     staging_wait: float = _UNSET
     keep_last: int | str = _UNSET
     policy: str = _UNSET
+    max_slowdown: float = _UNSET
     block_policy: tuple[tuple[int, str], ...] | None = _UNSET
     memory_budget: int | float | None = _UNSET
     max_disk_bytes: int | None = _UNSET

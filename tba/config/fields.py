@@ -23,6 +23,7 @@ from .values import (
     parse_rate,
     parse_seconds,
     parse_size,
+    parse_slowdown,
     parse_tbw,
     size_at_least,
     whole_number,
@@ -157,6 +158,15 @@ _FIELDS: dict[str, _Field] = {
         "keep: nothing written; selective: recomputed but for the matrix products (NOTE "
         "[Selective recompute]); auto: one of these per block, chosen from "
         "measured compute time, bandwidth and the memory budget (NOTE [Chooser]).",
+    ),
+    "max_slowdown": _Field(
+        "TBA_MAX_SLOWDOWN",
+        parse_slowdown,
+        1.05,
+        "Without TBA_MEMORY_BUDGET: how much slower than keeping everything in memory a step may "
+        "run, e.g. 1.05 (default: 5%). tba then frees the most memory it can within that, from "
+        "measured compute and bandwidth, and keeps everything when nothing else is fast enough. "
+        "With a budget, the budget rules and this is not used.",
     ),
     "block_policy": _Field(
         "TBA_BLOCK_POLICY",

@@ -239,6 +239,26 @@ def positive_number(example: str) -> Callable[[Any], float]:
     return parse
 
 
+_SLOWDOWN_EXPECTED = (
+    "a factor of the step time of at least 1, such as 1.05 (5% slower at most) or 1.1x"
+)
+
+
+def parse_slowdown(value: Any) -> float:
+    """TBA_MAX_SLOWDOWN: how much slower than keeping everything a step may run, as a factor of
+    at least 1 (``1.05``, ``1.05x``); NOTE [Slowdown bound] in tba/decide/adaptive.py."""
+    if isinstance(value, bool):
+        raise ValueParseError(value, _SLOWDOWN_EXPECTED)
+    text = value.strip().lower().removesuffix("x") if isinstance(value, str) else value
+    try:
+        n = float(text)
+    except (TypeError, ValueError):
+        n = float("nan")
+    if not 1.0 <= n < float("inf"):
+        raise ValueParseError(value, _SLOWDOWN_EXPECTED)
+    return n
+
+
 def _optional_file(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None

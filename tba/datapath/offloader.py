@@ -99,6 +99,7 @@ class Offloader:
             budget=config.memory_budget,
             bounded=config.policy == "auto",  # bounded by auto's default budget share
             cadence=Cadence(clock),
+            max_slowdown=config.max_slowdown,
         )
         scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
         self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
@@ -108,6 +109,7 @@ class Offloader:
         self.index = Index(on_resident=self._peak)
         self.io = IO(config, backend, self.index, self.metrics, clock)
         self.config = self.io.config  # as run: a budget's staging_full (tba/datapath/io.py)
+        self.keeper.staging = (self.config.staging_bytes, self.config.staging_full == "wait")
         self.reader = Reader(self.io, self.index, self.prefetcher)
         self.prefetcher.start = self.reader.start_read  # the plan's reads
         self.index.on_dead = self.reader.retire  # an entry's last handle died: free it
@@ -117,6 +119,7 @@ class Offloader:
             config.block_policy,
             staging=(self.config.staging_bytes, self.config.staging_full == "wait"),
             cadence=Cadence(clock),
+            max_slowdown=config.max_slowdown,  # NOTE [Slowdown under auto]
         )
         self.groups.recompute = Recompute(
             self.packer.count_hidden,
@@ -354,10 +357,13 @@ class Offloader:
 
     def _memory_budget(self, saved_bytes: int) -> int | None:
         """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
-        ``saved_bytes``: TBA_MEMORY_BUDGET (NOTE [Memory budget]), or without one
-        DEFAULT_BUDGET_SHARE of them, so that TBA_POLICY=auto always has a bound."""
+        ``saved_bytes``: TBA_MEMORY_BUDGET (NOTE [Memory budget]); without one None, and
+        TBA_MAX_SLOWDOWN bounds auto instead (NOTE [Slowdown under auto]), or, with no
+        slowdown bound either, DEFAULT_BUDGET_SHARE of them."""
         allowed = allowed_bytes(self.config.memory_budget, saved_bytes)
-        return allowed if allowed is not None else int(DEFAULT_BUDGET_SHARE * saved_bytes)
+        if allowed is None and self.policy.max_slowdown is None:
+            return int(DEFAULT_BUDGET_SHARE * saved_bytes)
+        return allowed
 
     def _log_policy(self, st: StepState) -> None:
         """Log the per-block actions a forward ran with, once per change (lock held)."""

@@ -10,9 +10,10 @@ import logging
 from typing import Any
 
 from ..config import BY_BLOCK, RECOMPUTED, SELECTIVE
+from .adaptive import PROBE_SHARE
 from .budget import MIN_WINDOW, widest_window, window_room
 from .cadence import DRIFT, STALL_SHARE, Cadence, stalled_seconds
-from .chooser import BARE, SEARCH_SIMS, Cost, choose, predict
+from .chooser import BARE, SEARCH_SIMS, WRITES, Cost, choose, predict
 
 __all__ = ["DEFAULT_BUDGET_SHARE", "PolicyController"]
 
@@ -128,8 +129,27 @@ MEASURED_KEPT = 32
 # at the end of the forward set the peak, it takes each step over the budget for a window too wide,
 # cuts the window step by step, and brings back the stalls a wider window had removed.
 
-# The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set: this share of the
-# step's saved bytes (about a third of what stock PyTorch holds, the target set for the
+# NOTE [Slowdown under auto]
+# Without TBA_MEMORY_BUDGET, what bounds auto is time (TBA_MAX_SLOWDOWN, as NOTE [Slowdown bound]
+# in tba/decide/adaptive.py has it for adaptive keep): among the assignments predicted within
+# that factor of keeping every block (the keep-all assignment replayed on the same figures, its
+# blocks at their kept or stand-in times), the chooser takes the one with the lowest predicted
+# peak, every action offered; when none is, the fastest. A step that ran the choice and measured
+# over the bound (its compute and stalls against that keep-all prediction) marks the assignment
+# too slow, multiplies the bandwidths the chooser plans with by DERATE, and decides again at
+# once: the I/O the model underrated is charged more at each overrun, so auto moves back towards
+# keeping more within a few steps (marking assignments alone would try the neighbours of each
+# one in turn). Both are undone when a bandwidth moves by more than DRIFT or a probe measures
+# again. An assignment that writes nothing measures no bandwidth, so it is probed as adaptive
+# keep's keep-all is (NOTE [No absorbing state]): one step with its first free block offloaded,
+# paced to PROBE_SHARE of the compute by what the last probe cost, then a decision on what it
+# measured.
+
+DERATE = 0.25
+
+# The memory budget of TBA_POLICY=auto when TBA_MEMORY_BUDGET is not set and no slowdown bound
+# is given (PolicyController's max_slowdown None; the offloader gives TBA_MAX_SLOWDOWN): this
+# share of the step's saved bytes (about a third of what stock PyTorch holds, the target set for the
 # defaults). Read by Offloader._memory_budget and by tba plan's mix (tba/plan/mix.py).
 DEFAULT_BUDGET_SHARE = 0.35
 
@@ -149,9 +169,19 @@ class PolicyController:
         every: int = 20,
         cadence: Cadence | None = None,
         staging: tuple[int | None, bool] = (None, False),
+        max_slowdown: float | None = None,
     ):
         self.cadence = cadence or Cadence()
         self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
+        # NOTE [Slowdown under auto]: the bound without a budget (None: DEFAULT_BUDGET_SHARE's
+        # budget instead), the assignments measured over it, the keep-all step it is
+        # measured against, and the probe of a choice that writes nothing
+        self.max_slowdown = max_slowdown
+        self.too_slow: set[tuple[str, ...]] = set()
+        self.derate = 1.0  # the share of the measured bandwidths the chooser plans with
+        self.reference: float | None = None
+        self.probe: dict[int, str] = {}
+        self.probe_owed = 0.0
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
         self.chosen: dict[int, str] = {}
@@ -176,6 +206,8 @@ class PolicyController:
         # its choices that a step ran (per block), the last run last: NOTE [Unmeasured margin]
         self.measured: dict[tuple[str, ...], None] = {}
         self.room: int | None = None  # NOTE [Window under auto]
+        # the window the next step runs with (NOTE [No growth past the budget] in budget.py)
+        self.window: int | None = None
         self.fits = True  # the last decision's assignment fits the target (NOTE [Chooser])
         self.decision: dict[str, Any] = {
             "policy": policy,
@@ -188,6 +220,7 @@ class PolicyController:
 
     def assignment(self) -> dict[int, str] | None:
         got = dict(self.chosen)
+        got.update(self.probe)
         got.update(self.forced)
         return got or None
 
@@ -249,10 +282,42 @@ class PolicyController:
         )
         ready = self.cadence.ready(base)
         due = step - self.decided_at >= self.every or stalled > STALL_SHARE * base
-        if (drifted or due or self.learned or over) and (ready or over):
+        # NOTE [Slowdown under auto]: a measured overrun goes back at once; a probe measures
+        slowdown = self.max_slowdown if limit is None else None
+        bounded = slowdown is not None
+        took = sum(x["fwd_seconds"] + x["bwd_seconds"] for x in records) + stalled
+        probed, self.probe = bool(self.probe), {}
+        if drifted or probed:
+            self.too_slow.clear()
+            self.derate = 1.0
+        if probed and self.reference is not None:
+            self.probe_owed = max(0.0, took - self.reference) / PROBE_SHARE
+        late = (
+            slowdown is not None
+            and ran_choice
+            and not probed
+            and self.reference is not None
+            and took > slowdown * self.reference
+        )
+        if late:
+            self.too_slow.add(tuple(ran))
+            self.derate *= DERATE
+        writes = any(a in WRITES for a in (self.assignment() or {}).values())
+        if bounded and self.chosen and not writes and not (drifted or late):
+            self.probe_owed = max(0.0, self.probe_owed - base)
+            if step - self.decided_at >= self.every and self.probe_owed == 0.0:
+                free = [i for i in range(len(ran)) if i not in self.forced]
+                if free:  # one step that writes: the disk measured again
+                    self.probe = {free[0]: "offload"}
+                    self.decided_at = step
+                    return
+            due = self.learned = False  # nothing new measured: the choice stands
+        urgent = over or late or probed
+        if (drifted or due or self.learned or urgent) and (ready or urgent):
             # NOTE [Decision cost]: an overrun does not wait for the cadence
             self._decide(step, groups, fixed, w, r, limit, prefetch)
         self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
+        self.window = prefetch if self.room is None else min(prefetch, self.room)
 
     def _target(self, limit: int | None, measured: bool = True) -> int | None:
         """What an assignment must fit (NOTE [Budget margin], NOTE [Unmeasured margin]): one
@@ -264,10 +329,16 @@ class PolicyController:
     def _decide(self, step, groups, fixed, w, r, limit, prefetch) -> None:
         t0 = self.cadence.start()
         target = self._target(limit)
+        max_step = None
+        if limit is None and self.max_slowdown is not None:  # NOTE [Slowdown under auto]
+            n = sum(g.block for g in groups)
+            keep = [fixed.get(i, "keep") for i in range(n)]
+            self.reference = predict(groups, keep, w, r, prefetch, *self.staging).step_seconds
+            max_step = self.max_slowdown * self.reference
         got = choose(
             groups,
-            w,
-            r,
+            w * self.derate,  # NOTE [Slowdown under auto]: 1 but after measured overruns
+            r * self.derate,
             target,
             prefetch,
             exhaustive_blocks=0,
@@ -278,6 +349,8 @@ class PolicyController:
             write_spread=DRIFT,  # NOTE [Write spread]
             unmeasured_budget=self._target(limit, measured=False),
             measured=self.measured,
+            max_step_seconds=max_step,
+            too_slow=self.too_slow,
         )
         spent = self.cadence.spent(t0)
         self.learned = False
@@ -287,6 +360,12 @@ class PolicyController:
         changed = chosen != self.chosen
         self.chosen, self.decided_at, self.basis = chosen, step, (w, r)
         why = "fastest predicted step within the budget" if got.fits else "none fits: lowest peak"
+        if max_step is not None:
+            why = (
+                f"lowest predicted peak within TBA_MAX_SLOWDOWN={self.max_slowdown:g}"
+                if got.fits
+                else f"none within TBA_MAX_SLOWDOWN={self.max_slowdown:g}: the fastest"
+            )
         self.decision = {
             "policy": "auto",
             "actions": list(got.best.actions),
@@ -304,6 +383,10 @@ class PolicyController:
             "decision_seconds": spent,
             "window_bytes": prefetch,  # the read-ahead window it predicted with
         }
+        if max_step is not None:
+            self.decision.update(
+                predicted_keep_all_seconds=self.reference, predicted_bound_seconds=max_step
+            )
         if changed:
             log.info(
                 "tba: policy=auto chose %s after step %d (%s; predicted step %.3f s, peak %d "
@@ -346,6 +429,8 @@ class PolicyController:
             return min(prefetch, window_room(target, narrow.peak_bytes, smallest))
         # NOTE [Window past the budget] in tba/decide/budget.py: the target is out of reach anyway
         room, _ = widest_window(narrow.peak_bytes, smallest, prefetch, narrow, at)
+        if self.window is not None:  # NOTE [No growth past the budget] in tba/decide/budget.py
+            room = min(room, max(smallest, self.window))
         return None if room >= prefetch else room
 
     def _costs(self, records) -> tuple[list[Cost], dict[int, str]]:

@@ -35,6 +35,19 @@ largest read meets nothing: the peak is set elsewhere (by the writes still in fl
 of the forward, say), and the narrow window only adds stalls. So the window is then the widest
 whose predicted peak is no higher than the smallest window's (:func:`widest_window`): it costs no
 memory the step was not spending anyway.
+
+# NOTE [No growth past the budget]
+A budget is a bound, so a step that is already over it must not take more than the steps
+before it. When nothing meets the budget (no K of adaptive keep, or no assignment of auto), the
+window is the one NOTE [Window past the budget] gives, but never wider than the window in force:
+it may shrink, not grow, for as long as the budget is out of reach. The prediction that a wider
+window adds nothing to the peak is a prediction; measured, such widenings raised the peak step
+after step (each stall doubles the window's floor), and the read-back buffers a wider window
+needs at once stay with the process under allocators that keep freed memory (tcmalloc), which
+tba's peak does not count once they are free. A run sized by its first steps (a batch-size
+search, say) then went over its memory cap in a later step. Without growth, the steps after the
+second hold what the second held; the window in force is the one the first decision left (the
+first step's window, raised after a stall on it).
 """
 
 from __future__ import annotations

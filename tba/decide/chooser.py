@@ -215,12 +215,17 @@ def choose(
     write_spread: float = 0.0,
     unmeasured_budget: int | None = None,
     measured: Collection[tuple[str, ...]] = (),
+    max_step_seconds: float | None = None,
+    too_slow: Collection[tuple[str, ...]] = (),
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
     local search's replays (None: no bound); staging and ``write_spread`` as :func:`predict`
     takes them. With ``unmeasured_budget``, an assignment not in ``measured`` must fit that
-    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py)."""
+    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py).
+    Without a budget, ``max_step_seconds`` bounds time instead: the lowest peak among the
+    assignments predicted within it and not in ``too_slow`` (measured over it), else the
+    fastest (NOTE [Slowdown under auto] in tba/decide/block_policy.py)."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -255,7 +260,17 @@ def choose(
             )
         return p
 
+    slow_set = frozenset(too_slow)
+
+    def slow(p: Prediction) -> bool:
+        return max_step_seconds is not None and (
+            p.step_seconds > max_step_seconds or p.actions in slow_set
+        )
+
     def rank(p: Prediction) -> tuple:
+        if budget is None and max_step_seconds is not None:
+            late = slow(p)
+            return (late, p.step_seconds if late else 0.0, p.peak_bytes, p.step_seconds)
         cap = limit(p.actions)
         over = cap is not None and p.peak_bytes > cap
         return (over, p.peak_bytes if over else 0, p.step_seconds, p.peak_bytes)
@@ -287,7 +302,7 @@ def choose(
             _descend(p, sim, rank, options, left)
         best = min(seen.values(), key=rank)  # every replay counts, a cut-off descent's too
     cap = limit(best.actions)
-    fits = cap is None or best.peak_bytes <= cap
+    fits = (cap is None or best.peak_bytes <= cap) and not (budget is None and slow(best))
     return Choice(best, fits, len(seen), exhaustive, budget)
 
 

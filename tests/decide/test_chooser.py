@@ -10,6 +10,7 @@ import torch
 
 from tba.config import RECOMPUTED
 from tba.decide.block_policy import PolicyController
+from tba.decide.budget import widest_window
 from tba.decide.cadence import DRIFT, Cadence
 from tba.decide.chooser import ACTIONS, SEARCH_SIMS, Cost, choose, group_actions, predict
 
@@ -561,9 +562,10 @@ def test_a_window_raised_after_the_choice_is_cut_to_what_the_choice_leaves():
     assert ctl.room is None  # no budget, no cut
 
 
-def test_a_window_past_an_unreachable_target_adds_nothing_to_the_peak():
-    """NOTE [Window past the budget]: when no assignment fits, cutting the window to one read
-    meets nothing; the room is the widest window whose peak is no higher than that one's."""
+def test_a_window_past_an_unreachable_target_does_not_grow():
+    """NOTE [No growth past the budget]: when no assignment fits, a window raised after a stall
+    is held to the window in force, though NOTE [Window past the budget] predicts part of the
+    raise free: a step over the budget takes no more than the steps before it."""
     ctl = PolicyController("auto", None, every=50, cadence=Cadence(FakeClock()))
     budget = lambda saved: 20 * MiB  # noqa: E731 - below any assignment's peak
     ctl.observe(1, records(["offload"] * 6), 1e9, 1e9, budget, 8 * MiB, 0, 8 * MiB)
@@ -572,10 +574,12 @@ def test_a_window_past_an_unreachable_target_adds_nothing_to_the_peak():
     gs, _ = ctl._costs(records(ran))
     at = lambda win: predict(gs, ran, 1e9, 1e9, win, write_spread=DRIFT).peak_bytes  # noqa: E731
     assert at(8 * MiB) > ctl.decision["target_bytes"]
-    ctl.observe(2, records(ran), 1e9, 1e9, budget, 256 * MiB, 0, 8 * MiB)
-    assert ctl.decision["step"] == 1  # not due: the choice stands
-    assert 8 * MiB < ctl.room < 256 * MiB  # the old rule cut it to 8 MiB
-    assert at(ctl.room) <= at(8 * MiB) < at(256 * MiB)
+    full = lambda w: predict(gs, ran, 1e9, 1e9, w, write_spread=DRIFT)  # noqa: E731
+    wider, _ = widest_window(at(8 * MiB), 8 * MiB, 256 * MiB, full(8 * MiB), full)
+    assert wider > 8 * MiB  # the prediction calls a wider window free ...
+    for step in range(2, 6):  # ... but the wanted window never grows past the one in force
+        ctl.observe(step, records(ran, stall=0.5), 1e9, 1e9, budget, 256 * MiB, 0, 8 * MiB)
+        assert ctl.room == 8 * MiB
 
 
 def test_once_auto_has_chosen_adaptive_keeps_room_does_not_cut_the_window(make_offloader):
