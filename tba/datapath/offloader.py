@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import weakref
@@ -379,6 +380,8 @@ class Offloader:
             offloaded = [(g, gs.host_bytes + gs.ssd_bytes) for g, gs in last.by_group.items()]
             spill = spill_groups(offloaded, host.share() - host.used)
         self.io.spill_groups = st.spill_groups = spill
+        bps = last.host_bandwidth(True) if last is not None else None
+        self.policy.host_tier = (host.share(), bps or math.inf)  # what auto's replays model
 
     def _tier_stats(self) -> dict[str, Any]:
         """The host tier's keys of :meth:`stats` (NOTE [Host tier]); lock held."""

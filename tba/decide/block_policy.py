@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from ..config import BY_BLOCK, RECOMPUTED, SELECTIVE
@@ -152,6 +153,8 @@ class PolicyController:
     ):
         self.cadence = cadence or Cadence()
         self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
+        # the host tier's capacity and copy rate (NOTE [Host tier]); (0, inf): none
+        self.host_tier: tuple[int, float] = (0, math.inf)
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
         self.chosen: dict[int, str] = {}
@@ -278,6 +281,8 @@ class PolicyController:
             write_spread=DRIFT,  # NOTE [Write spread]
             unmeasured_budget=self._target(limit, measured=False),
             measured=self.measured,
+            host_bytes=self.host_tier[0],
+            host_bps=self.host_tier[1],
         )
         spent = self.cadence.spent(t0)
         self.learned = False
@@ -334,7 +339,9 @@ class PolicyController:
 
         def at(win: int):  # the assignment's prediction at a window, each replayed once
             if win not in seen:
-                seen[win] = predict(groups, actions, w, r, win, *self.staging, DRIFT)
+                seen[win] = predict(
+                    groups, actions, w, r, win, *self.staging, DRIFT, *self.host_tier
+                )
             return seen[win]
 
         wide = at(prefetch)

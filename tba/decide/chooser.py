@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Collection, Sequence
 
 from ..config import BLOCK_ACTIONS, SELECTIVE
@@ -174,8 +175,12 @@ def predict(
     staging_bytes: int | None = None,
     staging_waits: bool = False,
     write_spread: float = 0.0,
+    host_bytes: int = 0,
+    host_bps: float = math.inf,
 ) -> Prediction:
-    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]);
+    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]); with
+    ``host_bytes`` the host tier of that capacity at ``host_bps`` takes what it holds of the
+    offloaded bytes (the Tiers rule of NOTE [Simulator]);
     ``staging_bytes`` and ``staging_waits``: TBA_STAGING_BYTES and TBA_STAGING_FULL=wait, as
     the run has them (None: unbounded staging). With ``write_spread`` the peak is the larger of
     those at ``write_bps`` and at ``(1 - write_spread) * write_bps`` (NOTE [Write spread] in
@@ -190,6 +195,8 @@ def predict(
             prefetch_bytes=prefetch_bytes,
             staging_bytes=staging_bytes,
             staging_waits=staging_waits,
+            host_bytes=host_bytes,
+            host_bps=host_bps,
         )
         engine = Engine(setup)
         got = engine.step(spans, len(spans), actions=per_group)
@@ -215,12 +222,16 @@ def choose(
     write_spread: float = 0.0,
     unmeasured_budget: int | None = None,
     measured: Collection[tuple[str, ...]] = (),
+    host_bytes: int = 0,
+    host_bps: float = math.inf,
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
     local search's replays (None: no bound); staging and ``write_spread`` as :func:`predict`
     takes them. With ``unmeasured_budget``, an assignment not in ``measured`` must fit that
-    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py)."""
+    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py).
+    ``host_bytes`` and ``host_bps``: the host tier every replay models, as :func:`predict`
+    takes them."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -252,6 +263,8 @@ def choose(
                 staging_bytes,
                 staging_waits,
                 write_spread,
+                host_bytes,
+                host_bps,
             )
         return p
 

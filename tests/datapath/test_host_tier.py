@@ -160,7 +160,8 @@ def test_offloader_refuses_a_budget_the_node_cannot_spare(make_offloader, monkey
     assert not list((tmp_path / "spill").glob("*-rank*"))  # its spill directory is gone
 
 
-def test_cpu_only_run_has_no_tier_and_says_so_once(make_offloader, data, caplog):
+def test_cpu_only_run_has_no_tier_and_says_so_once(make_offloader, data, caplog, monkeypatch):
+    monkeypatch.setattr(hosttier_mod, "_said", set())  # once per process: this test's process
     model, x = data
     caplog.set_level(logging.DEBUG, "tba")
     off = make_offloader()  # TBA_HOST_BYTES left at its default: no warning
@@ -169,7 +170,6 @@ def test_cpu_only_run_has_no_tier_and_says_so_once(make_offloader, data, caplog)
     assert st["host_tier_bytes"] == 0 and st["ssd_tier_bytes"] >= st["bytes_offloaded"] > 0
     assert off.io.tier is None and off.backend.__class__.__name__ != "TieredBackend"
     assert not [r for r in caplog.records if "host tier" in r.getMessage() and r.levelno >= 30]
-    hosttier_mod._said.clear()
     for _ in range(2):
         make_offloader(host_bytes="8GiB")
     warned = [r for r in caplog.records if "host tier is off" in r.getMessage()]

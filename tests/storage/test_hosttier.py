@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+import tba.storage.hosttier as hosttier_mod
 from tba.config import Config
 from tba.errors import ConfigError, StorageError
 from tba.host.memory import aligned_empty, as_memoryview
@@ -119,7 +120,8 @@ def test_a_fraction_is_of_what_the_node_can_spare(tmp_path, spill_dir):
         tiered.close()
 
 
-def test_no_tier_without_cuda_and_a_warning_only_when_set(tmp_path, spill_dir, caplog):
+def test_no_tier_without_cuda_and_a_warning_only_when_set(tmp_path, spill_dir, caplog, monkeypatch):
+    monkeypatch.setattr(hosttier_mod, "_said", set())  # once per process: this test's process
     backend = open_backend(cfg(spill_dir))
     try:
         caplog.set_level(logging.DEBUG, "tba.storage")
