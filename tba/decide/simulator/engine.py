@@ -49,7 +49,9 @@ packed, needed by backward and released). The rules, as tba applies them:
   goes to the host tier, a queue each way at ``host_bps``, while the bytes the tier holds stay
   within ``host_bytes``, else to the disk. Each step sends its leading groups to the disk first,
   by the rule the runtime applies (``spill_groups``, NOTE [Tier order] in tba/decide/tiers.py)
-  over the bytes the step offloads (a steady state: the runtime measures them a step earlier).
+  over the bytes each group offloaded in the engine's last step, as the runtime measures them,
+  or on a first step every byte the group could offload (more than a full staging lets through:
+  conservative, it sends more to the disk).
   Its staging frees when the copy into the tier completes; the tier frees an entry's bytes at
   its use. The actions ``host`` and ``ssd`` force a group's tier (when ``host`` finds the tier
   full, the disk). ``bytes_written``/``bytes_read`` count both tiers; ``ssd_bytes_written`` and
@@ -159,6 +161,7 @@ class Engine:
         self.host_peak = 0
         self.spill = 0  # this step's leading groups that go to the disk first
         self.tiered = {"ssd": 0, "host": 0}  # this step's bytes written per tier
+        self.offloaded: dict[int, int] | None = None  # the last step's bytes written per group
 
     def mem(self, t: float, delta: int, kind: int) -> None:
         self.seq += 1
@@ -212,6 +215,7 @@ class Engine:
         self.host_peak = self.host_used
         self.spill = self._spill(groups, first_kept, actions) if su.host_bytes > 0 else 0
         n_kept = n_full = written = 0
+        per_group: dict[int, int] = {}
         entries: list[_Entry] = []
         uses: list[list[tuple[float, int, int, _Entry | None, float | None]]] = []
         # a recomputed group's input bytes, with recompute_offload their entry, and what
@@ -230,6 +234,7 @@ class Engine:
                     if e is not None:
                         entries.append(e)
                         written += inputs
+                        per_group[gi] = inputs
                 if e is None:
                     self.mem(start, inputs, _DEV)
                 cached = getattr(g, "cached_bytes", 0) if act == SELECTIVE else 0
@@ -259,9 +264,11 @@ class Engine:
                 entries.append(e)
                 items.append((s.use_at, -i, s.nbytes, e, s.free_at))
                 written += s.nbytes
+                per_group[gi] = per_group.get(gi, 0) + s.nbytes
             t = start + shift + g.fwd
             uses.append(items)
         fwd_end = t
+        self.offloaded = per_group
         bwd_total = sum(g.bwd for g in groups)
         t, stall, sync, served, read = self._backward(
             groups, uses, entries, written, bwd_total, t, recomputed
@@ -296,6 +303,8 @@ class Engine:
         """The Tiers rule: the leading groups that go to the disk first, from the bytes each
         group offloads (its offloadable saves, a recompute_offload block's inputs)."""
         su = self.setup
+        if self.offloaded is not None:  # measured, as the runtime has it from its last step
+            return spill_groups(self.offloaded.items(), su.host_bytes - self.host_used)
         per_group = []
         for gi, g in enumerate(groups):
             act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
