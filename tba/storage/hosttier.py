@@ -15,7 +15,8 @@ NOTE [Host tier]
    by the ranks through a ledger beside the node disk quota's (``.tba-host-tier`` under the
    spill root, the same rules: NOTE [Node quota] in nodequota.py), reserved in chunks of
    :data:`CHUNK` bytes. The bytes in the tier never exceed this rank's reservation, nor the
-   reservation the budget.
+   reservation the budget. Pinned extents are charged at the size torch's pinned allocator
+   takes for them (the next power of two), so the charge is what is pinned.
 4. Never swap, never the OOM killer. What the node can spare is MemAvailable within the
    cgroup's limit less its usage (:func:`memory_room`); a size beyond it is a ConfigError at
    start naming the figures. Each reservation reads it again and refuses (the bytes go to disk)
@@ -23,7 +24,9 @@ NOTE [Host tier]
 5. A write is a copy on the tier's thread; a read-back is the extent's buffer itself, no copy:
    the device prefetch uploads straight from it (the CUDA adapter holds it until its H2D copy
    has completed, NOTE [CUDA ordering] 4), and freeing the extent only drops the tier's
-   reference.
+   reference. So each extent is a buffer of its own: a range of a shared arena could be handed
+   to a new write while a copy still reads the old bytes, and torch's pinned allocator, which
+   records the copies that read a block, does not hand a block out again before they are done.
 """
 
 from __future__ import annotations
@@ -196,12 +199,21 @@ class HostTier:
         """The bytes this rank may expect to hold: its fair share of the node budget."""
         return self.limit if self.ledger is None else min(self.limit, self.ledger.share())
 
+    def charge(self, nbytes: int) -> int:
+        """The bytes an extent of ``nbytes`` takes from the budget (rule 3): pinned, the power
+        of two torch's pinned allocator rounds it up to."""
+        n = align_up(max(nbytes, 1), self.align)
+        return 1 << (n - 1).bit_length() if self.pin else n
+
     def allocate(self, nbytes: int) -> HostExtent | None:
         n = align_up(max(nbytes, 1), self.align)
+        cost = self.charge(n)
         with self._lock:
             if self._closed:
                 return None
-            if self.used + n > self.reserved and not self._grow(self.used + n - self.reserved):
+            if self.used + cost > self.reserved and not self._grow(
+                self.used + cost - self.reserved
+            ):
                 self.refusals += 1
                 return None
             try:
@@ -212,7 +224,7 @@ class HostTier:
                 return None
             key = next(self._ids)
             self._bufs[key] = buf
-            self.used += n
+            self.used += cost
             self.peak = max(self.peak, self.used)
         return HostExtent(key, 0, n)
 
@@ -266,7 +278,7 @@ class HostTier:
                 raise internal_error(
                     "storage", f"free of an unknown host-tier extent {extent.slab}: double free"
                 )
-            self.used -= buf.numel()
+            self.used -= self.charge(buf.numel())
             if self.ledger is not None and self.reserved - self.used >= 2 * self.chunk:
                 excess = self.ledger.excess(self.reserved)  # NOTE [Node quota] 6: give back
                 cut = min(excess, self.reserved - self.used) // PAGE * PAGE

@@ -178,6 +178,14 @@ def test_bytes_in_the_tier_never_exceed_its_budget():
     tier.close()
 
 
+def test_pinned_extents_are_charged_what_torchs_pinned_allocator_takes():
+    """torch rounds a pinned allocation up to a power of two: the budget counts that."""
+    pinned = HostTier(GIB, pin=True, room=plenty)
+    assert pinned.charge(MIB + 1) == 2 * MIB and pinned.charge(MIB) == MIB
+    assert pinned.charge(3 * MIB) == 4 * MIB and pinned.charge(1) == 4096
+    assert HostTier(GIB, room=plenty).charge(3 * MIB) == 3 * MIB  # unpinned: page-aligned
+
+
 def test_a_reservation_never_leaves_the_node_less_than_the_guard(caplog):
     spare = [3 * GIB]
     tier = HostTier(8 * GIB, chunk=GIB, room=lambda: Room(spare[0], None, None), guard=GIB)
