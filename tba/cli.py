@@ -308,6 +308,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="host memory for tba",
     )
+    h.add_argument(
+        "--host-tier",
+        type=_SIZE,
+        metavar="SIZE",
+        help="pinned host memory in front of the disk (TBA_HOST_BYTES of one rank); the plan "
+        "then also shows the same plan without it",
+    )
+    h.add_argument(
+        "--host-tier-gbps",
+        type=_number("50"),
+        metavar="GB/S",
+        help="the host tier's copy rate each way (PCIe or memcpy; unset: instant)",
+    )
     k = p.add_argument_group("tba settings (default: tba's, or the trace's)")
     k.add_argument(
         "--prefetch",

@@ -123,6 +123,7 @@ class Config:
     max_slowdown: float = _UNSET
     block_policy: tuple[tuple[int, str], ...] | None = _UNSET
     memory_budget: int | float | None = _UNSET
+    host_bytes: int | float = _UNSET
     max_disk_bytes: int | None = _UNSET
     node_max_disk_bytes: int | None = _UNSET
     ssd_tbw: float | None = _UNSET

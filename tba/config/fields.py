@@ -20,6 +20,7 @@ from .values import (
     _path,
     _quota,
     parse_budget,
+    parse_host_bytes,
     parse_rate,
     parse_seconds,
     parse_size,
@@ -184,6 +185,16 @@ _FIELDS: dict[str, _Field] = {
         "window and kept blocks included: a size such as 2GiB, or a fraction of the step's "
         "saved bytes such as 0.35. 'none' (default): tba keeps what adaptive keep chooses and "
         "sizes the read-ahead window from the step's saved bytes.",
+    ),
+    "host_bytes": _Field(
+        "TBA_HOST_BYTES",
+        parse_host_bytes,
+        0.5,
+        "Host tier on a CUDA host: offloaded bytes go to pinned host memory first and to the "
+        "spill disk only for what it cannot hold (the earliest blocks). A fraction of the memory "
+        "the node can spare at start (MemAvailable, within the cgroup's limit), such as 0.5 "
+        "(default), or a size such as 64GiB; either is shared by the node's ranks. 0 or 'off': "
+        "no host tier. A size beyond what the node can spare is refused at start.",
     ),
     "max_disk_bytes": _Field(
         "TBA_MAX_DISK_BYTES",

@@ -369,3 +369,36 @@ def parse_budget(value: Any) -> int | float | None:
     if n < 1 << 20:
         raise ValueParseError(value, _BUDGET_EXPECTED + f" ({n} bytes is too small to hold a step)")
     return n
+
+
+_HOST_EXPECTED = (
+    "a fraction in (0, 1] of the memory this node can spare, such as 0.5 or 50%, a size such "
+    "as 64GiB, or 0 / 'off' for no host tier"
+)
+
+
+def parse_host_bytes(value: Any) -> int | float:
+    """TBA_HOST_BYTES: the node's host-tier budget (NOTE [Host tier] in
+    tba/storage/hosttier.py). A fraction (a float in (0, 1]) of what the node can spare, bytes
+    (an int), or 0 for no host tier. A number with a point or a percent sign is a fraction."""
+    if isinstance(value, str) and value.strip().lower() in ("off", "none", "no", ""):
+        return 0
+    if isinstance(value, bool):
+        raise ValueParseError(value, _HOST_EXPECTED)
+    share: float | None = None
+    if isinstance(value, float) and (0 < value <= 1 or not value.is_integer()):
+        share = value
+    elif isinstance(value, str) and ("." in value or value.strip().endswith("%")):
+        text = value.strip()
+        try:
+            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ValueParseError(value, _HOST_EXPECTED) from None
+    if share is not None:
+        if not 0 < share <= 1:
+            raise ValueParseError(value, _HOST_EXPECTED)
+        return float(share)
+    try:
+        return parse_size(value)
+    except ValueParseError:
+        raise ValueParseError(value, _HOST_EXPECTED) from None

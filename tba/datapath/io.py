@@ -33,6 +33,7 @@ from ..records.index import Index
 from ..records.step import GroupStat, StepState
 from ..storage.base import Backend, Extent, Span
 from ..storage.checksum import resolve
+from ..storage.hosttier import HostExtent, TieredBackend
 from .capture.device import CpuAdapter, DeviceAdapter, adapter_for
 from .capture.staging import DirectBlock, StagingPool
 
@@ -77,6 +78,10 @@ class IO:
         # sets it to the device window's pump (NOTE [Device prefetch] in tba/datapath/prefetch.py).
         self.on_host: Callable[[], None] = lambda: None
         self.disk_in_use = 0
+        # NOTE [Host tier] in tba/storage/hosttier.py: the tier when this process has one, and
+        # the leading groups of this step that go to the disk first (NOTE [Tier order])
+        self.tier = backend if isinstance(backend, TieredBackend) else None
+        self.spill_groups = 0
         self._warned: set[str] = set()
         self._capture_pool: ThreadPoolExecutor | None = None
 
@@ -147,6 +152,20 @@ class IO:
         self.free_staging(e)
 
     # -- transfers ----------------------------------------------------------------------------
+    def allocate(self, nbytes: int, device: torch.device, stat: GroupStat | None) -> Extent | None:
+        """An extent for ``nbytes`` of a tensor on ``device`` saved by group ``stat``: on the
+        disk, or, with a host tier and a device whose bytes are uploaded back (CUDA), in host
+        memory first, the leading :attr:`spill_groups` groups on the disk first (NOTE [Tier
+        order] in tba/decide/tiers.py). None when every tier refuses. Lock held."""
+        tier = self.tier
+        if tier is None or device not in self.uploading:
+            return self.backend.allocate(nbytes)
+        if stat is not None and stat.group < self.spill_groups:
+            got = self.backend.allocate(nbytes)
+            return got if got is not None else tier.allocate_host(nbytes)
+        got = tier.allocate_host(nbytes)
+        return got if got is not None else self.backend.allocate(nbytes)
+
     def write(
         self, extent: Extent, buf: Any, stat: GroupStat, span: Span = None
     ) -> tuple[Future, float]:
@@ -161,6 +180,8 @@ class IO:
     def read(self, extent: Extent, device: torch.device, e: Entry) -> Future:
         """Start a read of ``extent`` into a new buffer for ``device``, verified against
         ``e.digest``. The future carries ``tba_buffer`` and ``tba_t0``."""
+        if isinstance(extent, HostExtent) and self.tier is not None:
+            return self._read_host(self.tier, extent, e)
         adapter, _ = self.device(device)
         try:
             buf = adapter.host_buffer(extent.length, self.align)
@@ -174,11 +195,28 @@ class IO:
         self.pending.add(fut)
         return fut
 
+    def _read_host(self, tier: TieredBackend, extent: HostExtent, e: Entry) -> Future:
+        """A read-back from the host tier: the extent's own buffer, no copy (NOTE [Host tier]
+        5), once its checksum (if any) matched. The future carries ``tba_buffer`` and
+        ``tba_t0`` as :meth:`read`'s does."""
+        t0 = self.clock()
+        e.stat.io_started(False, t0)
+        fut: Future = Future()
+        fut.tba_buffer = tier.host.view(extent)  # type: ignore[attr-defined]
+        fut.tba_t0 = t0  # type: ignore[attr-defined]
+        self.pending.add(fut)
+        tier.host.verify(extent, fut, self.checksum, e.digest, e.span)
+        return fut
+
     def finished(self, write: bool, e: Entry, t0: float, nbytes: int) -> None:
         """A write or read of ``nbytes`` issued at ``t0`` succeeded: the group's and the step's
-        I/O times (adaptive keep, trace) and the metrics. Lock held."""
+        I/O times (adaptive keep, trace) and the metrics. A host-tier transfer times the
+        tier, not the disk, and the metrics' disk figures leave it out. Lock held."""
         now = self.clock()
         e.stat.io_done(write, nbytes, now)
+        if isinstance(e.extent, HostExtent):
+            e.step.host_span(write, t0, now, nbytes)
+            return
         e.step.io_span(write, t0, now, nbytes)
         self.sink.io_log.append((write, now - t0, nbytes))
 
@@ -231,7 +269,23 @@ class IO:
         return self._capture_pool
 
     # -- resources ------------------------------------------------------------------------------
-    def count_disk(self, st: StepState, nbytes: int) -> None:
+    def count_disk(
+        self, st: StepState, extent: Extent | None, stat: GroupStat | None = None
+    ) -> None:
+        """``extent`` now holds bytes of ``st`` (of group ``stat``): counted in its tier."""
+        if extent is None:
+            return
+        nbytes = extent.length
+        if isinstance(extent, HostExtent):
+            st.host_tier_bytes += nbytes
+            if stat is not None:
+                stat.host_bytes += nbytes
+            if self.tier is not None:
+                st.host_tier_peak_bytes = max(st.host_tier_peak_bytes, self.tier.host.used)
+            return
+        st.ssd_tier_bytes += nbytes
+        if stat is not None:
+            stat.ssd_bytes += nbytes
         self.disk_in_use += nbytes
         st.peak_disk_bytes = max(st.peak_disk_bytes, self.disk_in_use)
 
@@ -255,7 +309,8 @@ class IO:
             if ext is None:
                 return  # other members' bytes are still on it
         self.backend.free(ext)
-        self.disk_in_use -= ext.length
+        if not isinstance(ext, HostExtent):
+            self.disk_in_use -= ext.length
 
     def warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

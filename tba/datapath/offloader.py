@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import weakref
@@ -28,6 +29,7 @@ from ..decide.budget import allowed_bytes
 from ..decide.budget import decision as budget_decision
 from ..decide.cadence import Cadence
 from ..decide.keep import Policy
+from ..decide.tiers import spill_groups
 from ..errors import UsageError
 from ..host.clock import SYSTEM, Clock
 from ..metrics import RankMetrics
@@ -85,9 +87,16 @@ class Offloader:
             self.backend = None
             return
         from ..storage import open_backend
+        from ..storage.hosttier import with_host_tier
 
         check_host_memory(config)  # before any file exists
-        self.backend = backend = open_backend(config)
+        backend = open_backend(config)
+        try:  # NOTE [Host tier] in tba/storage/hosttier.py
+            backend, self.host_tier = with_host_tier(config, backend, cuda_present())
+        except BaseException:
+            backend.close()
+            raise
+        self.backend = backend
         try:
             self.metrics = RankMetrics(config, backend)
         except BaseException:
@@ -182,6 +191,7 @@ class Offloader:
             self.groups.assignment = self.policy.assignment()
             self._steps += 1
             st = StepState(self._steps, self.clock)
+            self._plan_tiers(st)
             self._current = st
             self.metrics.track(st)
             if model is not None:
@@ -247,6 +257,7 @@ class Offloader:
             out["resident_bytes"] = self.index.resident
             out["prefetch_inflight_bytes"] = self.prefetcher.inflight
             out["live_entries"] = len(self.io.live)
+            out.update(self._tier_stats())
             return out
 
     def synchronize(self) -> None:
@@ -347,6 +358,12 @@ class Offloader:
                     "sync_loads": st.sync_loads,
                     "write_bps": w,
                     "read_bps": r,
+                    "host_tier_bytes": st.host_tier_bytes,
+                    "ssd_tier_bytes": st.ssd_tier_bytes,
+                    "host_tier_peak_bytes": st.host_tier_peak_bytes,
+                    "host_tier_spill_groups": st.spill_groups,
+                    "host_write_bps": st.host_bandwidth(True),
+                    "host_read_bps": st.host_bandwidth(False),
                     "keep_last": st.keep_last,
                     "keep_decision": self.keeper.decision,
                     "group_policy": st.group_policy,
@@ -354,6 +371,40 @@ class Offloader:
                     "policy_decision": self.policy.decision,
                 },
             )
+
+    def _plan_tiers(self, st: StepState) -> None:
+        """The leading groups of step ``st`` that go to the disk first, from the last step's
+        bytes per group (NOTE [Tier order] in tba/decide/tiers.py). Lock held."""
+        tier = self.io.tier
+        if tier is None:
+            return
+        host = tier.host
+        host.peak = host.used
+        last = self._last
+        spill = 0
+        if last is not None:
+            offloaded = [(g, gs.host_bytes + gs.ssd_bytes) for g, gs in last.by_group.items()]
+            spill = spill_groups(offloaded, host.share() - host.used)
+        self.io.spill_groups = st.spill_groups = spill
+        bps = last.host_bandwidth(True) if last is not None else None
+        self.policy.host_tier = (host.share(), bps or math.inf)  # what auto's replays model
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The host tier's keys of :meth:`stats` (NOTE [Host tier]); lock held."""
+        tier = self.io.tier
+        out: dict[str, Any] = {
+            "host_tier": "on" if tier is not None else "off",
+            "host_tier_reason": self.host_tier.reason,
+            "host_tier_bytes_in_use": 0,
+            "host_tier_limit_bytes": 0,
+            "host_tier_refusals": 0,
+        }
+        if tier is not None:
+            host = tier.host
+            out["host_tier_bytes_in_use"] = host.used
+            out["host_tier_limit_bytes"] = host.limit
+            out["host_tier_refusals"] = host.refusals
+        return out
 
     def _memory_budget(self, saved_bytes: int) -> int | None:
         """The memory budget in bytes for the chooser (NOTE [Chooser]), for a step that saves
@@ -422,6 +473,11 @@ class Offloader:
         st = self._current
         if st is not None and resident > st.peak_resident_bytes:
             st.peak_resident_bytes = resident
+
+
+def cuda_present() -> bool:
+    """Whether this process can use CUDA (NOTE [Host tier] 1); tests with a fake CUDA patch it."""
+    return torch.cuda.is_available()
 
 
 # NOTE [Model storages]

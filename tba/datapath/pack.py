@@ -387,7 +387,7 @@ class Packer:
                 block = self._room(st, staging, direct.length, held)
             if block is None:
                 return "staging_full"
-            extent = io.backend.allocate(block.length)
+            extent = io.allocate(block.length, dev, self.groups.stat)
             if extent is None:
                 block.release()
                 return writer.refused(st)
@@ -428,7 +428,7 @@ class Packer:
         self.index.charge(block.length)
         self.index.add_entry(e)
         if batch is None:
-            io.count_disk(st, extent.length)
+            io.count_disk(st, extent, self.groups.stat)
         if whole:
             self.index.entries[ekey] = e
         io.live.add(e)

@@ -216,7 +216,7 @@ class Writer:
         io = self.io
         st = live[0].step
         n = b.write_length(io.align)
-        extent = io.backend.allocate(n)
+        extent = io.allocate(n, b.device, live[0].stat)
         if extent is None:
             reason = self.refused(st)
             for m in live:
@@ -225,7 +225,7 @@ class Writer:
         if n > b.fill:
             b.block.part(b.fill, n).zero_()  # zero-padded tail
         b.start_write(extent, len(live))
-        io.count_disk(st, extent.length)
+        io.count_disk(st, extent, live[0].stat)
         st.coalesced_writes += 1
         for m in live:
             m.start_write(extent)

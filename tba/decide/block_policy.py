@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from ..config import BY_BLOCK, RECOMPUTED, SELECTIVE
@@ -182,6 +183,8 @@ class PolicyController:
         self.reference: float | None = None
         self.probe: dict[int, str] = {}
         self.probe_owed = 0.0
+        # the host tier's capacity and copy rate (NOTE [Host tier]); (0, inf): none
+        self.host_tier: tuple[int, float] = (0, math.inf)
         self.policy = policy
         self.forced: dict[int, str] = dict(forced or ())
         self.chosen: dict[int, str] = {}
@@ -351,6 +354,8 @@ class PolicyController:
             measured=self.measured,
             max_step_seconds=max_step,
             too_slow=self.too_slow,
+            host_bytes=self.host_tier[0],
+            host_bps=self.host_tier[1],
         )
         spent = self.cadence.spent(t0)
         self.learned = False
@@ -417,7 +422,9 @@ class PolicyController:
 
         def at(win: int):  # the assignment's prediction at a window, each replayed once
             if win not in seen:
-                seen[win] = predict(groups, actions, w, r, win, *self.staging, DRIFT)
+                seen[win] = predict(
+                    groups, actions, w, r, win, *self.staging, DRIFT, *self.host_tier
+                )
             return seen[win]
 
         wide = at(prefetch)

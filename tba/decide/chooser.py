@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Collection, Sequence
 
 from ..config import BLOCK_ACTIONS, SELECTIVE
@@ -174,8 +175,12 @@ def predict(
     staging_bytes: int | None = None,
     staging_waits: bool = False,
     write_spread: float = 0.0,
+    host_bytes: int = 0,
+    host_bps: float = math.inf,
 ) -> Prediction:
-    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]);
+    """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]); with
+    ``host_bytes`` the host tier of that capacity at ``host_bps`` takes what it holds of the
+    offloaded bytes (the Tiers rule of NOTE [Simulator]);
     ``staging_bytes`` and ``staging_waits``: TBA_STAGING_BYTES and TBA_STAGING_FULL=wait, as
     the run has them (None: unbounded staging). With ``write_spread`` the peak is the larger of
     those at ``write_bps`` and at ``(1 - write_spread) * write_bps`` (NOTE [Write spread] in
@@ -190,6 +195,8 @@ def predict(
             prefetch_bytes=prefetch_bytes,
             staging_bytes=staging_bytes,
             staging_waits=staging_waits,
+            host_bytes=host_bytes,
+            host_bps=host_bps,
         )
         engine = Engine(setup)
         got = engine.step(spans, len(spans), actions=per_group)
@@ -217,6 +224,8 @@ def choose(
     measured: Collection[tuple[str, ...]] = (),
     max_step_seconds: float | None = None,
     too_slow: Collection[tuple[str, ...]] = (),
+    host_bytes: int = 0,
+    host_bps: float = math.inf,
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
@@ -225,7 +234,9 @@ def choose(
     budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py).
     Without a budget, ``max_step_seconds`` bounds time instead: the lowest peak among the
     assignments predicted within it and not in ``too_slow`` (measured over it), else the
-    fastest (NOTE [Slowdown under auto] in tba/decide/block_policy.py)."""
+    fastest (NOTE [Slowdown under auto] in tba/decide/block_policy.py).
+    ``host_bytes`` and ``host_bps``: the host tier every replay models, as :func:`predict`
+    takes them."""
     n = sum(g.block for g in groups)
     if n == 0:
         raise ValueError("tba.chooser: no blocks to choose for; give the step a model")
@@ -257,6 +268,8 @@ def choose(
                 staging_bytes,
                 staging_waits,
                 write_spread,
+                host_bytes,
+                host_bps,
             )
         return p
 

@@ -59,6 +59,12 @@ _DEFS: dict[str, _Def] = {
         "Saved tensors kept in memory, by reason (the keys of tba.records.reasons.KEPT_REASONS).",
         ("reason",),
     ),
+    "tba_host_tier_bytes": _Def(
+        "counter", "Bytes of offloaded saved tensors placed in the host tier (extent bytes)."
+    ),
+    "tba_ssd_tier_bytes": _Def(
+        "counter", "Bytes of offloaded saved tensors placed on the spill disk (extent bytes)."
+    ),
     "tba_dedup_hits": _Def("counter", "Saves that reused bytes already captured."),
     "tba_forwarded": _Def("counter", "Unpacks served from memory without a read."),
     "tba_sync_loads": _Def("counter", "Unpacks whose read had not been issued in advance."),
@@ -108,6 +114,8 @@ _STEP_FIELDS = (
     ("bytes_offloaded", "tba_bytes_offloaded"),
     ("bytes_reloaded", "tba_bytes_reloaded"),
     ("tensors_offloaded", "tba_tensors_offloaded"),
+    ("host_tier_bytes", "tba_host_tier_bytes"),
+    ("ssd_tier_bytes", "tba_ssd_tier_bytes"),
     ("dedup_hits", "tba_dedup_hits"),
     ("forwarded", "tba_forwarded"),
     ("sync_loads", "tba_sync_loads"),

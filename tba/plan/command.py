@@ -113,6 +113,8 @@ def build(args: Any) -> tuple[Workload, Hardware, Knobs, str, dict[str, Any] | N
         h2d_bps=None if args.h2d_gbps is None else args.h2d_gbps * GB,
         device_bytes=args.device_mem,
         host_bytes=args.host_mem,
+        host_tier_bytes=args.host_tier,
+        host_tier_bps=None if args.host_tier_gbps is None else args.host_tier_gbps * GB,
     )
     knobs = Knobs(
         prefetch_bytes=_pick(args.prefetch, cfg.get("prefetch_bytes"), 128 << 20),

@@ -36,6 +36,10 @@ class Hardware:
     h2d_bps: float | None = None  # read-back H2D copy on the compute timeline (CUDA, staged)
     device_bytes: int | None = None  # memory left for activations on the device
     host_bytes: int | None = None
+    # the host tier (NOTE [Host tier] in tba/storage/hosttier.py): its capacity (None: none)
+    # and the rate of its copies each way (None: instant; PCIe or a memcpy in practice)
+    host_tier_bytes: int | None = None
+    host_tier_bps: float | None = None
 
     def __post_init__(self) -> None:
         if self.duplex not in ("full", "shared"):
@@ -50,6 +54,7 @@ class Hardware:
             ("--flops", self.flops),
             ("--layer-fwd-ms", self.layer_fwd_seconds),
             ("--backward-ratio", self.backward_ratio),
+            ("--host-tier-gbps", self.host_tier_bps),
         ):
             if v is not None and not v > 0:
                 raise PlanInputError(flag, "must be above 0")
@@ -99,4 +104,6 @@ def setup_for(hw: Hardware, knobs: Knobs) -> Setup:
         prefetch_bytes=knobs.prefetch_bytes,
         size_window=True,
         align=ALIGN,
+        host_bytes=hw.host_tier_bytes or 0,
+        host_bps=hw.host_tier_bps or math.inf,
     )

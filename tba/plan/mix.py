@@ -116,6 +116,8 @@ def make_mix(w: Workload, hw: Hardware, knobs: Knobs, budget: str | None = None)
         knobs.prefetch_bytes,
         staging_bytes=knobs.staging_bytes,
         staging_waits=True,
+        host_bytes=hw.host_tier_bytes or 0,
+        host_bps=hw.host_tier_bps or math.inf,
     )
     keep_all = predict(groups, ("keep",) * w.blocks, *rates)
     checkpoint_all = predict(groups, ("recompute",) * w.blocks, *rates)

@@ -170,4 +170,37 @@ def make_plan(
     if with_needed and w.blocks:
         got = needed_gbps(w, hw, knobs, keep=min(1, w.blocks))
         out["needed_gbps_keep_1"] = got
+    if hw.host_tier_bytes:
+        out["host_tier"] = host_tier_effect(w, hw, knobs, steps, keeps, best)
     return out
+
+
+def host_tier_effect(
+    w: Workload, hw: Hardware, knobs: Knobs, steps: int, keeps: list[int], best: SimResult
+) -> dict[str, Any]:
+    """What the host tier changes (NOTE [Host tier]): the recommended K with it, and the plan's
+    recommendation without it, side by side."""
+    bare = dataclasses.replace(hw, host_tier_bytes=None, host_tier_bps=None)
+    without = recommend([simulate(w, bare, knobs, k, steps) for k in keeps], hw.device)
+
+    def row(r: SimResult) -> dict[str, Any]:
+        return {
+            "keep": r.keep,
+            "step_seconds": r.step_seconds,
+            "stall_seconds": r.stall_seconds,
+            "peak_device_bytes": r.peak_device_bytes,
+            "ssd_bytes_written": r.ssd_bytes_written,
+            "host_bytes_written": r.host_bytes_written,
+            "peak_host_tier_bytes": r.peak_host_tier_bytes,
+            "spill_groups": r.spill_groups,
+        }
+
+    return {
+        "host_tier_bytes": hw.host_tier_bytes,
+        "host_tier_bps": hw.host_tier_bps,
+        "with": row(best),
+        "without": row(without),
+        "step_vs_without": best.step_seconds / without.step_seconds
+        if without.step_seconds
+        else None,
+    }

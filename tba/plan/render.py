@@ -126,9 +126,49 @@ def render_text(p: dict[str, Any], describe: str = "") -> str:
     lines.extend(table_lines(rows))
     if p.get("host_fits") is False:
         lines.append("warning: staging + prefetch exceed --host-mem")
+    if "host_tier" in p:
+        lines += [""] + host_tier_lines(p["host_tier"], dev)
     if "mix" in p:
         lines += [""] + mix_lines(p["mix"])
     return "\n".join(lines)
+
+
+def host_tier_lines(t: dict[str, Any], dev: bool) -> list[str]:
+    """The recommended K with the host tier and without it (NOTE [Host tier])."""
+    rate = "instant" if t["host_tier_bps"] is None else f"{t['host_tier_bps'] / GB:.3g} GB/s"
+    rows = [
+        [
+            "",
+            "K",
+            "step ms",
+            "stall ms",
+            "peak device" if dev else "peak",
+            "to host",
+            "to disk",
+            "disk-first blocks",
+        ]
+    ]
+    for name, key in (("host tier", "with"), ("disk only", "without")):
+        r = t[key]
+        rows.append(
+            [
+                name,
+                str(r["keep"]),
+                _ms(r["step_seconds"]),
+                _ms(r["stall_seconds"]),
+                format_size(r["peak_device_bytes"]),
+                format_size(r["host_bytes_written"]),
+                format_size(r["ssd_bytes_written"]),
+                str(r["spill_groups"]) if key == "with" else "-",
+            ]
+        )
+    ratio = t["step_vs_without"]
+    lines = [
+        f"host tier: {format_size(t['host_tier_bytes'])} of pinned memory at {rate}, in front "
+        "of the disk; the earliest blocks go to disk when it is short"
+        + (f" (step {ratio:.3f}x of disk only)" if ratio else "")
+    ]
+    return lines + table_lines(rows)
 
 
 def mix_lines(m: dict[str, Any]) -> list[str]:

@@ -92,6 +92,8 @@ class GroupStat:
         "read_bytes",
         "stall_seconds",
         "sync_loads",
+        "host_bytes",
+        "ssd_bytes",
     )
 
     def __init__(self, group: int):
@@ -122,6 +124,8 @@ class GroupStat:
         self.read_bytes = 0
         self.stall_seconds = 0.0
         self.sync_loads = 0
+        self.host_bytes = 0  # extent bytes in the host tier (NOTE [Host tier])
+        self.ssd_bytes = 0  # extent bytes on the spill disk
 
     def unpacked(self, now: float) -> None:
         if not self.bwd_first:
@@ -171,6 +175,16 @@ class StepState:
         self.peak_resident_bytes = 0
         self.peak_with_recompute_bytes = 0  # NOTE [Block policy]: resident + a recomputed block
         self.peak_disk_bytes = 0
+        # NOTE [Host tier] in tba/storage/hosttier.py: extent bytes per tier, the tier's peak,
+        # and the leading groups sent to the disk first (NOTE [Tier order])
+        self.host_tier_bytes = 0
+        self.ssd_tier_bytes = 0
+        self.host_tier_peak_bytes = 0
+        self.spill_groups = 0
+        self.host_spans: tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]] = (
+            [],
+            [],
+        )
         self.io_errors = 0
         self.groups = 0
         self.kept_groups = 0
@@ -211,19 +225,16 @@ class StepState:
     def io_span(self, write: bool, start: float, end: float, nbytes: int) -> None:
         self.io_spans[0 if write else 1].append((start, end, nbytes))
 
+    def host_span(self, write: bool, start: float, end: float, nbytes: int) -> None:
+        self.host_spans[0 if write else 1].append((start, end, nbytes))
+
+    def host_bandwidth(self, write: bool) -> float | None:
+        """Bytes per second of the host tier's copies (writes or reads), or None."""
+        return _rate(self.host_spans[0 if write else 1])
+
     def bandwidth(self, write: bool) -> float | None:
         """Bytes per second while this step's writes (or reads) were in flight, or None."""
-        spans = sorted(self.io_spans[0 if write else 1])
-        if not spans:
-            return None
-        busy, end = 0.0, float("-inf")
-        for a, b, _ in spans:  # length of the union of the intervals
-            if b <= end:
-                continue
-            busy += b - max(a, end)
-            end = b
-        total = sum(n for _, _, n in spans)
-        return total / busy if busy > 0 else None
+        return _rate(self.io_spans[0 if write else 1])
 
     def largest_read(self) -> int:
         """Bytes of the largest single read of this step (0 when nothing was read)."""
@@ -282,6 +293,8 @@ class StepState:
                     else 0.0,
                     "stall_seconds": gs.stall_seconds,
                     "sync_loads": gs.sync_loads,
+                    "host_bytes": gs.host_bytes,
+                    "ssd_bytes": gs.ssd_bytes,
                 }
             )
         return out
@@ -339,6 +352,10 @@ class StepState:
             pack_stall_seconds=self.pack_stall_seconds,
             uploads_at_unpack=self.uploads_at_unpack,
             forward_seconds=self.forward_seconds,
+            host_tier_bytes=self.host_tier_bytes,
+            ssd_tier_bytes=self.ssd_tier_bytes,
+            host_tier_peak_bytes=self.host_tier_peak_bytes,
+            host_tier_spill_groups=self.spill_groups,
         )
         return out
 
@@ -346,3 +363,17 @@ class StepState:
         self.forward_end = self.clock()
         self.forward_seconds = self.forward_end - self.started
         self.seen.clear()  # release the weak references; saved_bytes is final
+
+
+def _rate(spans: list[tuple[float, float, int]]) -> float | None:
+    """Bytes per second over the union of the transfers' intervals, or None."""
+    if not spans:
+        return None
+    busy, end = 0.0, float("-inf")
+    for a, b, _ in sorted(spans):  # length of the union of the intervals
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    total = sum(n for _, _, n in spans)
+    return total / busy if busy > 0 else None

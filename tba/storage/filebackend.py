@@ -132,6 +132,11 @@ class SlabBackend:
         return False
 
     @property
+    def spill(self) -> SpillDir:
+        """The per-process spill directory (the host tier's node ledger is keyed by it)."""
+        return self._spill
+
+    @property
     def spill_path(self) -> str:
         """The per-process directory holding this backend's (nameless) slab files."""
         return self._spill.path

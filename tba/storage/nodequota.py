@@ -74,6 +74,7 @@ LEDGER_NAME = ".tba-node-quota"
 _VERSION = 2
 _WANT_SECONDS = 30.0  # NOTE 6: a refusal counts as wanting space for this long
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_SETTING = "TBA_NODE_MAX_DISK_BYTES"  # the setting a ledger's errors name (the host tier's differs)
 
 
 def _entry_alive(root_fd: int, entry: dict[str, Any]) -> bool:
@@ -144,9 +145,9 @@ def _parse(data: bytes, shown: str) -> tuple[int, int | None, list[dict[str, Any
     return version, limit, entries
 
 
-def _newer(shown: str, version: int) -> ConfigError:
+def _newer(shown: str, version: int, setting: str = _SETTING) -> ConfigError:
     return ConfigError(
-        f"TBA_NODE_MAX_DISK_BYTES: the node quota ledger {shown} has format version {version}; "
+        f"{setting}: the node quota ledger {shown} has format version {version}; "
         f"this tba reads versions 1 to {_VERSION}. A newer tba spills under the same root: run "
         "one tba version on the node, or give each its own TBA_SPILL_DIR."
     )
@@ -179,24 +180,24 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _check_regular(fd: int, shown: str) -> None:
+def _check_regular(fd: int, shown: str, setting: str = _SETTING) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(
-            f"TBA_NODE_MAX_DISK_BYTES: the node quota ledger {shown} is not a regular file. "
+            f"{setting}: the node quota ledger {shown} is not a regular file. "
             "Remove it; tba recreates it."
         )
 
 
-def _open_error(shown: str, e: OSError) -> ConfigError:
+def _open_error(shown: str, e: OSError, setting: str = _SETTING) -> ConfigError:
     if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
         what = "is a symbolic link or a directory; tba never follows links there. Remove it"
     else:
         what = (
             f"cannot be opened: {os.strerror(e.errno or 0)}. Make the spill root writable by "
-            "every rank (run them as one user) or unset TBA_NODE_MAX_DISK_BYTES"
+            f"every rank (run them as one user) or unset {setting}"
         )
-    return ConfigError(f"TBA_NODE_MAX_DISK_BYTES: the node quota ledger {shown} {what}.")
+    return ConfigError(f"{setting}: the node quota ledger {shown} {what}.")
 
 
 class NodeQuota:
@@ -205,11 +206,25 @@ class NodeQuota:
     ``root_fd`` is an open fd on the spill root (the caller keeps it open while this lives),
     ``name`` the per-process directory in it. Constructing registers the entry with 0 bytes,
     so a bad ledger is a :class:`ConfigError` at startup rather than a refusal later.
+    ``ledger`` names the file (the host tier keeps its own, NOTE [Host tier] in hosttier.py),
+    ``setting`` the variable its errors name.
     """
 
-    def __init__(self, root_fd: int, root: str, name: str, limit: int, rank: int):
+    def __init__(
+        self,
+        root_fd: int,
+        root: str,
+        name: str,
+        limit: int,
+        rank: int,
+        *,
+        ledger: str = LEDGER_NAME,
+        setting: str = _SETTING,
+    ):
         self.root_fd = root_fd
-        self.shown = os.path.join(root, LEDGER_NAME)
+        self.ledger = ledger
+        self.setting = setting
+        self.shown = os.path.join(root, ledger)
         self.name = name
         self.limit = limit
         self.rank = rank
@@ -222,22 +237,22 @@ class NodeQuota:
             with self._locked() as (_, entries):
                 self._put(entries, 0)
         except OSError as e:
-            raise _open_error(self.shown, e) from None
+            raise _open_error(self.shown, e, setting) from None
 
     def _live(self, fd: int) -> list[dict[str, Any]]:
         """The ledger's live entries (ours whatever its state); ConfigError for a newer format."""
         version, _, entries = _parse(_read_all(fd), self.shown)
         if version > _VERSION:
-            raise _newer(self.shown, version)
+            raise _newer(self.shown, version, self.setting)
         return [e for e in entries if e["dir"] == self.name or _entry_alive(self.root_fd, e)]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[tuple[int, list[dict[str, Any]]]]:
         """The ledger under LOCK_EX, with its live entries; whatever the body leaves in the
         list is written back."""
-        fd = os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600, dir_fd=self.root_fd)
+        fd = os.open(self.ledger, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600, dir_fd=self.root_fd)
         try:
-            _check_regular(fd, self.shown)
+            _check_regular(fd, self.shown, self.setting)
             fcntl.flock(fd, fcntl.LOCK_EX)
             entries = self._live(fd)
             yield fd, entries
@@ -252,9 +267,9 @@ class NodeQuota:
 
     def _peek(self) -> list[dict[str, Any]]:
         """The live entries, read under LOCK_SH, changing nothing."""
-        fd = os.open(LEDGER_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=self.root_fd)
+        fd = os.open(self.ledger, os.O_RDONLY | _OPEN_FLAGS, dir_fd=self.root_fd)
         try:
-            _check_regular(fd, self.shown)
+            _check_regular(fd, self.shown, self.setting)
             fcntl.flock(fd, fcntl.LOCK_SH)
             return self._live(fd)
         finally:
@@ -324,6 +339,17 @@ class NodeQuota:
         if have <= share or not any(_wanting(e, now) and e["bytes"] < share for e in others):
             return 0
         return have - share
+
+    def share(self) -> int:
+        """NOTE 6: this entry's fair share of the limit now (the whole limit when the ledger
+        cannot be read)."""
+        try:
+            entries = self._peek()
+        except (OSError, TBAError) as e:
+            log.debug("tba.storage: node quota ledger %s: %s", self.shown, e)
+            return self.limit
+        others = [e for e in entries if e["dir"] != self.name]
+        return _fair_share(self.limit, others, time.time())
 
     def set(self, nbytes: int) -> None:
         """Record that this backend now holds ``nbytes`` of slabs (after slabs closed or a

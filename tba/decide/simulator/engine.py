@@ -45,6 +45,17 @@ packed, needed by backward and released). The rules, as tba applies them:
   staging blocks until written, read-back buffers from read issue to release, staging copies.
   The device peak counts only kept and recomputed tensors, the host peak staging and
   read-back buffers.
+- Tiers (``host_bytes`` > 0; NOTE [Host tier] in tba/storage/hosttier.py): an offloaded tensor
+  goes to the host tier, a queue each way at ``host_bps``, while the bytes the tier holds stay
+  within ``host_bytes``, else to the disk. Each step sends its leading groups to the disk first,
+  by the rule the runtime applies (``spill_groups``, NOTE [Tier order] in tba/decide/tiers.py)
+  over the bytes each group offloaded in the engine's last step, as the runtime measures them,
+  or on a first step every byte the group could offload (more than a full staging lets through:
+  conservative, it sends more to the disk).
+  Its staging frees when the copy into the tier completes; the tier frees an entry's bytes at
+  its use. The actions ``host`` and ``ssd`` force a group's tier (when ``host`` finds the tier
+  full, the disk). ``bytes_written``/``bytes_read`` count both tiers; ``ssd_bytes_written`` and
+  ``host_bytes_written`` split them.
 - Steps run back to back on one :class:`Engine` carry the disk queues and staging over.
 
 The runtime's use is the plain case: the default :class:`Setup` (no copy costs, transfers of
@@ -64,6 +75,7 @@ from typing import Any
 
 from ...config.values import RECOMPUTED, SELECTIVE
 from ...storage.alloc import ExtentAllocator
+from ..tiers import spill_groups
 from .rules import Setup, Stage, read_ahead
 
 
@@ -85,6 +97,10 @@ class SimResult:
     staging_full_bytes: int  # kept because staging was full
     writes_done_at: float  # seconds after the step started when its last write completes
     steps: int = 1  # steps simulated; this is the last
+    ssd_bytes_written: int = 0  # of bytes_written, to the disk
+    host_bytes_written: int = 0  # of bytes_written, to the host tier
+    peak_host_tier_bytes: int = 0  # the most bytes the host tier held
+    spill_groups: int = 0  # the leading groups sent to the disk first (NOTE [Tier order])
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,12 +119,13 @@ class _Fifo:
 
 
 class _Entry:
-    __slots__ = ("nbytes", "padded", "written", "want", "budgeted", "read_done", "used")
+    __slots__ = ("nbytes", "padded", "written", "want", "budgeted", "read_done", "used", "host")
 
-    def __init__(self, nbytes: int, padded: int, written: float):
+    def __init__(self, nbytes: int, padded: int, written: float, host: bool = False):
         self.nbytes = nbytes
         self.padded = padded
         self.written = written  # when its write completes and staging frees
+        self.host = host  # in the host tier, else on the disk
         self.want = False  # prefetch reached it while it was being written
         self.budgeted = 0
         self.read_done: float | None = None
@@ -139,6 +156,12 @@ class Engine:
         self.base = [0, 0]  # resident bytes of events folded away (before the current step)
         self.window = (0.0, 0.0)  # the last step's start and end
         self.staged_entries = 0  # tensors of the last step served from staging (no read)
+        self.hwq, self.hrq = _Fifo(), _Fifo()  # the host tier's copies, in and out
+        self.host_used = 0  # bytes the host tier holds
+        self.host_peak = 0
+        self.spill = 0  # this step's leading groups that go to the disk first
+        self.tiered = {"ssd": 0, "host": 0}  # this step's bytes written per tier
+        self.offloaded: dict[int, int] | None = None  # the last step's bytes written per group
 
     def mem(self, t: float, delta: int, kind: int) -> None:
         self.seq += 1
@@ -188,7 +211,11 @@ class Engine:
         su = self.setup
         t0 = t = self.now
         self.fold(t0)
+        self.tiered = {"ssd": 0, "host": 0}
+        self.host_peak = self.host_used
+        self.spill = self._spill(groups, first_kept, actions) if su.host_bytes > 0 else 0
         n_kept = n_full = written = 0
+        per_group: dict[int, int] = {}
         entries: list[_Entry] = []
         uses: list[list[tuple[float, int, int, _Entry | None, float | None]]] = []
         # a recomputed group's input bytes, with recompute_offload their entry, and what
@@ -197,15 +224,17 @@ class Engine:
         for gi, g in enumerate(groups):
             act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
             kept = act == "keep"
+            tier = act if act in ("host", "ssd") else ("ssd" if gi < self.spill else "")
             start, shift, items = t, 0.0, []
             if act in RECOMPUTED:  # the Recompute rule: only the inputs stay (or are written)
                 inputs = getattr(g, "input_bytes", 0)
                 e = None
                 if act == "recompute_offload" and inputs > 0:
-                    e, shift = self._write(start, inputs)
+                    e, shift = self._write(start, inputs, tier)
                     if e is not None:
                         entries.append(e)
                         written += inputs
+                        per_group[gi] = inputs
                 if e is None:
                     self.mem(start, inputs, _DEV)
                 cached = getattr(g, "cached_bytes", 0) if act == SELECTIVE else 0
@@ -225,7 +254,7 @@ class Engine:
                     items.append((s.use_at, -i, s.nbytes, None, s.free_at))
                     n_kept += s.nbytes
                     continue
-                e, copy = self._write(tp, s.nbytes)
+                e, copy = self._write(tp, s.nbytes, tier)
                 if e is None:  # no free range fits: kept, the forward does not wait
                     self.mem(tp, s.nbytes, _DEV)
                     items.append((s.use_at, -i, s.nbytes, None, s.free_at))
@@ -235,9 +264,11 @@ class Engine:
                 entries.append(e)
                 items.append((s.use_at, -i, s.nbytes, e, s.free_at))
                 written += s.nbytes
+                per_group[gi] = per_group.get(gi, 0) + s.nbytes
             t = start + shift + g.fwd
             uses.append(items)
         fwd_end = t
+        self.offloaded = per_group
         bwd_total = sum(g.bwd for g in groups)
         t, stall, sync, served, read = self._backward(
             groups, uses, entries, written, bwd_total, t, recomputed
@@ -260,11 +291,36 @@ class Engine:
             kept_bytes=n_kept,
             staging_full_bytes=n_full,
             writes_done_at=max((e.written for e in entries), default=t0) - t0,
+            ssd_bytes_written=self.tiered["ssd"],
+            host_bytes_written=self.tiered["host"],
+            peak_host_tier_bytes=self.host_peak,
+            spill_groups=self.spill,
         )
 
-    def _write(self, tp: float, nbytes: int) -> tuple[_Entry | None, float]:
+    def _spill(
+        self, groups: Sequence[Stage], first_kept: int, actions: Sequence[str] | None
+    ) -> int:
+        """The Tiers rule: the leading groups that go to the disk first, from the bytes each
+        group offloads (its offloadable saves, a recompute_offload block's inputs)."""
+        su = self.setup
+        if self.offloaded is not None:  # measured, as the runtime has it from its last step
+            return spill_groups(self.offloaded.items(), su.host_bytes - self.host_used)
+        per_group = []
+        for gi, g in enumerate(groups):
+            act = actions[gi] if actions is not None else ("keep" if gi >= first_kept else "")
+            if act in ("keep", "ssd", "recompute", SELECTIVE):
+                continue
+            if act == "recompute_offload":
+                n = getattr(g, "input_bytes", 0)
+            else:
+                n = sum(s.nbytes for s in g.saved if su.offloadable(s) and s.nbytes)
+            per_group.append((gi, n))
+        return spill_groups(per_group, su.host_bytes - self.host_used)
+
+    def _write(self, tp: float, nbytes: int, tier: str = "") -> tuple[_Entry | None, float]:
         """Offload ``nbytes`` packed at ``tp``: a staging block, the capture copy (its seconds
-        are returned: they delay the forward) and the write. None when staging is full."""
+        are returned: they delay the forward) and the write, to the host tier unless ``tier``
+        is "ssd" or the tier is full (the Tiers rule). None when staging is full."""
         su = self.setup
         padded = -(-nbytes // su.align) * su.align
         at = self._stage(tp, padded)
@@ -280,11 +336,25 @@ class Engine:
         tp += waited
         self.mem(tp, padded, _HOST)
         copy = nbytes / su.capture_bps
-        done = self.wq.submit(tp + copy, padded, su.write_bps)
+        host = tier != "ssd" and su.host_bytes > 0 and self.host_used + padded <= su.host_bytes
+        if host:
+            done = self.hwq.submit(tp + copy, padded, su.host_bps)
+            self.host_used += padded
+            self.host_peak = max(self.host_peak, self.host_used)
+            self.tiered["host"] += nbytes
+        else:
+            done = self.wq.submit(tp + copy, padded, su.write_bps)
+            self.tiered["ssd"] += nbytes
         if self.arena is not None:
             heapq.heappush(self.staging, (done, at))
         self.mem(done, -padded, _HOST)
-        return _Entry(nbytes, padded, done), waited + copy
+        return _Entry(nbytes, padded, done, host), waited + copy
+
+    def _read(self, e: _Entry, now: float) -> float:
+        """When a read of ``e`` issued at ``now`` completes, from its tier."""
+        if e.host:
+            return self.hrq.submit(now, e.padded, self.setup.host_bps)
+        return self.rq.submit(now, e.padded, self.setup.read_bps)
 
     def window_for(self, entries: Sequence[_Entry], written: int, bwd_total: float) -> int:
         """The read-ahead window of a step (the Prefetch rule of NOTE [Simulator])."""
@@ -315,7 +385,7 @@ class Engine:
                     e.want = True  # copied out of staging when its write completes
                 else:
                     self.mem(now, e.padded, _HOST)
-                    e.read_done = self.rq.submit(now, e.padded, su.read_bps)
+                    e.read_done = self._read(e, now)
                     state["read"] += e.nbytes
                 state["cursor"] += 1
 
@@ -345,7 +415,7 @@ class Engine:
                         e.budgeted = e.padded
                         state["inflight"] += e.padded
                     self.mem(tu, e.padded, _HOST)
-                    e.read_done = self.rq.submit(tu, e.padded, su.read_bps)
+                    e.read_done = self._read(e, tu)
                     state["read"] += nbytes
                 if e.read_done > tu:
                     got["stall"] += e.read_done - tu
@@ -353,6 +423,8 @@ class Engine:
             if not later:  # freed when its handle dies after the use
                 self.mem(tu, -e.padded, _HOST)
             tu += nbytes / su.h2d_bps
+            if e.host and not e.used:  # the tier lets go of its bytes at the use
+                self.host_used -= e.padded
             e.used = True
             if not later:
                 release(e, tu)

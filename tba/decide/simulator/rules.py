@@ -61,6 +61,10 @@ class Setup:
     prefetch_bytes: int = 128 << 20  # the read-ahead window, or its cap with size_window
     size_window: bool = False
     align: int = 1  # transfers and staging blocks are rounded up to this
+    # The host tier (NOTE [Host tier] in tba/storage/hosttier.py): its capacity (0: none) and
+    # the rate of its copies each way (PCIe, or the staging-to-host memcpy), one queue each way
+    host_bytes: int = 0
+    host_bps: float = math.inf
 
     def offloadable(self, s: Saved) -> bool:
         return offloadable(s, self.min_offload_bytes)
