@@ -4,7 +4,10 @@
 #   1. install tba from this checkout without fetching anything (builds the native engine);
 #      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
 #   2. pytest -m gpu: every CUDA and kvikio test (kvikio's skip when it does not import);
-#   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
+#   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, tba's modes
+#      against no tba, checkpointing, save_on_cpu and torchtune), at seq 4096 and again at
+#      16384 with fewer steps (bench_long); torchtune wheels carried in $TORCHTUNE_WHEELS (a
+#      directory) are installed first, as kvikio's are;
 #   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
 #      plain gradient accumulation, W1's blocks; 120 s at most);
 #   5. the overhead benchmark (benchmarks/bench_overhead.py --device cuda: tba's modes against no
@@ -86,6 +89,8 @@ if [ $DRY -eq 1 ]; then
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
     run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    run bench_long 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --seq 256 --warmup 1 --steps 1 \
+        --json "$OUT_DIR/bench_long.json"
     run relay_bench 120 "$PY" benchmarks/gpu/bench_relay_gpu.py --dry \
         --json "$OUT_DIR/relay_bench.json"
     run overhead 120 "$PY" benchmarks/bench_overhead.py --models launch --rounds 2 --warmup 1
@@ -107,8 +112,14 @@ else
     fi
     run gpu_tests "$(( $(left) > 400 ? 400 : $(left) ))" "$PY" -m pytest -m gpu -rs -q \
         -p no:cacheprovider tests
-    run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
+    if [ -n "${TORCHTUNE_WHEELS:-}" ]; then  # torchtune and what its import needs (docs/gpu.md)
+        run torchtune_install 120 "$PY" -m pip install --no-deps --no-index "$TORCHTUNE_WHEELS"/*.whl
+    fi
+    # ~3 min in all on an H200: seq 4096 in full, 16384 with fewer steps (where the disk matters)
+    run bench "$(( $(left) > 200 ? 200 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
         --json "$OUT_DIR/bench.json"
+    run bench_long "$(( $(left) > 200 ? 200 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
+        --seq 16384 --warmup 2 --steps 3 --json "$OUT_DIR/bench_long.json"
     run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
         --json "$OUT_DIR/relay_bench.json"
     run overhead "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" benchmarks/bench_overhead.py \
