@@ -289,3 +289,38 @@ def test_copies_are_timed_by_the_device_without_a_wait():
     before = len(fake.events)
     adapter.capture(torch.zeros(8), torch.ones(8))
     assert len(fake.events) == before
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_block_is_timed_by_the_kernels_it_ran(tmp_path):
+    """A block whose forward queues a long GPU sleep: on the device clock its forward takes
+    about the sleep, though the host queued it in microseconds; the trace says ``device``."""
+    gpt = GPTConfig(vocab=512, seq=128, hidden=128, heads=4, layers=3)
+    torch.manual_seed(0)
+    model = GPT(gpt).cuda()
+    x, y = (t.cuda() for t in random_batch(gpt, 2))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1000
+    model.blocks[1].register_forward_hook(lambda *a: torch.cuda._sleep(50_000_000))
+    trace = tmp_path / "t.jsonl"
+    config = tba.Config(
+        environ={}, spill_dir=str(tmp_path / "spill"), policy="auto", trace=str(trace)
+    )
+    with tba.Offloader(config) as off:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with off.step(model):
+                loss = model(x, y)
+            loss.backward()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert steps and all(r["clock"] == "device" for r in steps)
+    for r in records:
+        if r["type"] == "group" and r["group"] == 3:  # block 1
+            assert r["fwd_seconds"] >= 0.8 * sleep_s, (r["fwd_seconds"], sleep_s)
+        elif r["type"] == "group":
+            assert r["fwd_seconds"] < 0.5 * sleep_s, r
