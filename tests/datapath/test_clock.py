@@ -324,3 +324,35 @@ def test_on_a_gpu_a_block_is_timed_by_the_kernels_it_ran(tmp_path):
             assert r["fwd_seconds"] >= 0.8 * sleep_s, (r["fwd_seconds"], sleep_s)
         elif r["type"] == "group":
             assert r["fwd_seconds"] < 0.5 * sleep_s, r
+
+
+def test_the_copies_bound_the_bandwidth_the_controllers_get(make_offloader, monkeypatch):
+    """NOTE [Copy timing]: with each device copy taking a (fake) device second, the write
+    bandwidth adaptive keep is given is the copies' (bytes per device second), not the disk's,
+    which is faster by far."""
+    from tba.datapath import offloader as offloader_mod
+
+    from .._fake_cuda import FakeCuda
+    from .test_device import offloader_with_fake_cuda
+
+    got = []
+    real_adapt = offloader_mod.adapt
+
+    def adapt(keeper, depth, index, records, w, r, *a, **kw):
+        got.append(w)
+        return real_adapt(keeper, depth, index, records, w, r, *a, **kw)
+
+    monkeypatch.setattr(offloader_mod, "adapt", adapt)
+    fake = FakeCuda(copy_ms=1000.0)
+    off = offloader_with_fake_cuda(make_offloader, fake, keep_last=0)
+    w = torch.randn(1 << 16, requires_grad=True)
+    x = torch.randn(1 << 16)
+    for _ in range(3):
+        with off.step():
+            loss = (x.exp() * w).sum()  # saves exp(x), 256 KiB
+        loss.backward()
+        off.synchronize()
+    st = off.stats()
+    assert st["bytes_offloaded"] > 0
+    assert 0 < st["d2h_bps"] <= (1 << 18) * 1.001  # at most one 256 KiB copy per device second
+    assert got and all(g == pytest.approx(st["d2h_bps"]) for g in got)  # each step's copies
