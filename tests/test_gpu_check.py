@@ -305,3 +305,24 @@ def test_torchtune_that_does_not_import_is_a_reason_not_a_stand_in(monkeypatch):
     mode = bench.torchtune_mode()
     assert mode.ctx is None and mode.off is None
     assert mode.not_run.startswith("torchtune not importable (")
+
+
+def test_the_dry_run_runs_every_mode(tmp_path, capsys):
+    """On the CPU: every peer and tba mode runs on the tiny model and is exact, save_on_cpu
+    says it could not pin, and torchtune (not installed here, or needing CUDA) says why not."""
+    import json
+
+    bench = _load("bench_gpu")
+    bench.main(["--dry", "--json", str(tmp_path / "b.json")])
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert list(out["modes"]) == list(bench.MODES)
+    assert out["bit_exact"] is True
+    ran = {m: r for m, r in out["modes"].items() if "not_run" not in r}
+    assert set(ran) >= set(bench.MODES) - {"torchtune"}
+    assert all(r["bit_exact"] is True for r in ran.values())
+    assert out["modes"]["save_on_cpu"]["note"] == "pin_memory=False: pinning needs CUDA"
+    tt = out["modes"]["torchtune"]
+    assert "torchtune" in ran or tt["not_run"].startswith("torchtune ")
+    assert "prediction_error" in out["modes"]["auto@0.35"]
+    assert [t["target"] for t in out["acceptance"]] == list(bench.TARGETS)
+    assert "targets (issue 40) (dry run" in capsys.readouterr().out
