@@ -89,8 +89,9 @@ if [ $DRY -eq 1 ]; then
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
     run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    # the second run's path, kept short: three modes
     run bench_long 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --seq 256 --warmup 1 --steps 1 \
-        --json "$OUT_DIR/bench_long.json"
+        --modes none,tba,auto@0.35 --json "$OUT_DIR/bench_long.json"
     run relay_bench 120 "$PY" benchmarks/gpu/bench_relay_gpu.py --dry \
         --json "$OUT_DIR/relay_bench.json"
     run overhead 120 "$PY" benchmarks/bench_overhead.py --models launch --rounds 2 --warmup 1
