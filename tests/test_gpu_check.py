@@ -187,3 +187,142 @@ def test_torch_without_cuda_is_named(tmp_path):
     got = _check(tmp_path, sys.executable)
     assert got.returncode == 2, got.stdout + got.stderr
     assert "but sees no CUDA device" in got.stderr and "PYTHON=" in got.stderr
+
+
+GIB = 1 << 30
+
+
+def _bench_out(seq, **steps):
+    """A bench_gpu result: step seconds per mode (override with ``steps``), activation peaks
+    in GiB, auto's predictions; torchtune not run."""
+    step = {
+        "none": 0.110,
+        "checkpoint": 0.150,
+        "save_on_cpu": 0.300,
+        "tba": 0.113,
+        "auto@0.5": 0.118,
+        "auto@0.35": 0.140,
+        "recompute": 0.148,
+        "selective": 0.135,
+        **steps,
+    }
+    peak = {
+        "none": 20,
+        "checkpoint": 3,
+        "save_on_cpu": 4,
+        "tba": 3.5,
+        "auto@0.5": 10,
+        "auto@0.35": 7,
+        "recompute": 3,
+        "selective": 6,
+    }
+    modes = {}
+    for m, t in step.items():
+        modes[m] = {
+            "step_seconds": t,
+            "step_ratio": t / step["none"],
+            "activation_peak": int(peak[m] * GIB),
+            "bit_exact": True,
+        }
+    modes["auto@0.5"].update(predicted_step_seconds=0.125, prediction_error=0.125 / 0.118 - 1)
+    modes["auto@0.35"].update(predicted_step_seconds=0.2, prediction_error=0.2 / 0.14 - 1)
+    modes["torchtune"] = {"not_run": "torchtune not importable (ModuleNotFoundError: x)"}
+    out = {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "dry": False,
+        "backend": "native",
+        "model": {
+            "params": 850_000_000,
+            "layers": 16,
+            "hidden": 2048,
+            "seq": seq,
+            "batch": 1,
+            "dtype": "bfloat16",
+        },
+        "budget_base": {"activation_peak": 20 * GIB, "from": "none"},
+        "warmup": 3,
+        "steps": 5,
+        "exactness": {"deterministic_control": True},
+        "modes": modes,
+    }
+    bench = _load("bench_gpu")
+    out["acceptance"] = bench.acceptance(out)
+    return out
+
+
+def test_the_targets_are_judged_from_the_figures():
+    got = {t["target"]: t for t in _bench_out(4096)["acceptance"]}
+    bench = _load("bench_gpu")
+    assert list(got) == list(bench.TARGETS)
+    ok = {k: v["ok"] for k, v in got.items()}
+    t = bench.TARGETS
+    assert ok[t[0]] is True  # 1.027x none, 3.5 GiB < save_on_cpu's 4
+    assert ok[t[1]] is True and got[t[1]]["detail"] == "0.987x checkpoint"
+    assert ok[t[2]] is True and ok[t[3]] is True  # 1.073x none; 0.933x checkpoint
+    # tba at 3.5 GiB (<= 4) and recompute at 3 run faster than save_on_cpu; the fastest named
+    assert ok[t[4]] is True and got[t[4]]["detail"] == "tba: 0.377x save_on_cpu's step"
+    assert ok[t[5]] is None and "torchtune not importable" in got[t[5]]["detail"]
+    assert ok[t[6]] is True and "(+6%)" in got[t[6]]["detail"]
+    assert ok[t[7]] is False and "predicted 0.200 s, measured 0.140 s (+43%)" in got[t[7]]["detail"]
+
+
+def test_a_target_missed_fails():
+    got = _bench_out(4096, tba=0.120, recompute=0.151, **{"auto@0.35": 0.16})["acceptance"]
+    bench = _load("bench_gpu")
+    by = {t["target"]: t["ok"] for t in got}
+    assert by[bench.TARGETS[0]] is False  # 1.09x none
+    assert by[bench.TARGETS[1]] is False  # 1.007x checkpoint
+    assert by[bench.TARGETS[3]] is False  # slower than checkpoint
+
+
+def test_the_summary_has_one_table_of_the_targets(tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "bench", "rc": 0, "seconds": 90, "timed_out": false}\n'
+        '{"step": "bench_long", "rc": 0, "seconds": 100, "timed_out": false}\n'
+    )
+    (tmp_path / "bench.json").write_text(json.dumps(_bench_out(4096)))
+    (tmp_path / "bench_long.json").write_text(json.dumps(_bench_out(16384, tba=0.2)))
+    monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "190"])
+    assert summarize.main() == 0
+    text = (tmp_path / "summary.txt").read_text()
+    assert "bench_gpu (seq 4096):" in text and "bench_gpu (seq 16384):" in text
+    assert text.count("targets (issue 40)") == 1  # one table, a column per run
+    assert "targets (issue 40): seq 4096 | seq 16384" in text
+    table = text[text.index("targets (issue 40)") :]
+    assert "      seq 4096: pass 1.027x none; peak 3.50 vs 4.00 GiB" in table
+    assert "      seq 16384: FAIL 1.818x none; peak 3.50 vs 4.00 GiB" in table
+    assert "  torchtune   not run: torchtune not importable" in text
+
+
+def test_torchtune_that_does_not_import_is_a_reason_not_a_stand_in(monkeypatch):
+    bench = _load("bench_gpu")
+    monkeypatch.setitem(sys.modules, "torchtune", None)  # import torchtune raises
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    mode = bench.torchtune_mode()
+    assert mode.ctx is None and mode.off is None
+    assert mode.not_run.startswith("torchtune not importable (")
+
+
+def test_the_dry_run_runs_every_mode(tmp_path, capsys):
+    """On the CPU: every peer and tba mode runs on the tiny model and is exact, save_on_cpu
+    says it could not pin, and torchtune (not installed here, or needing CUDA) says why not."""
+    import json
+
+    bench = _load("bench_gpu")
+    bench.main(["--dry", "--json", str(tmp_path / "b.json")])
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert list(out["modes"]) == list(bench.MODES)
+    assert out["bit_exact"] is True
+    ran = {m: r for m, r in out["modes"].items() if "not_run" not in r}
+    assert set(ran) >= set(bench.MODES) - {"torchtune"}
+    assert all(r["bit_exact"] is True for r in ran.values())
+    assert out["modes"]["save_on_cpu"]["note"] == "pin_memory=False: pinning needs CUDA"
+    tt = out["modes"]["torchtune"]
+    assert "torchtune" in ran or tt["not_run"].startswith("torchtune ")
+    assert "prediction_error" in out["modes"]["auto@0.35"]
+    assert [t["target"] for t in out["acceptance"]] == list(bench.TARGETS)
+    assert "targets (issue 40) (dry run" in capsys.readouterr().out

@@ -1,30 +1,42 @@
-"""GPU benchmark: a ~1B-parameter Llama-shaped model in bf16 at sequence 4096, without tba and
-under several tba policies: step time, torch.cuda.max_memory_allocated, bytes moved, stall,
-what each policy decided, and bit-exactness against no tba.
+"""GPU benchmark: a ~1B-parameter Llama-shaped model in bf16, without tba, under its peers and
+under several tba policies: the activation peak, step time, bytes moved, stall, what each policy
+decided (and, for ``auto``, the step it predicted), and bit-exactness against no tba.
 
 Built with plain torch only (RMSNorm, rotary embeddings, grouped-query attention through
 ``scaled_dot_product_attention``, SwiGLU MLP; no transformers, no network), so it runs on a
 bare GPU machine. A step is forward + backward of one micro-batch (no optimizer: it moves no
-activations). Modes (``--modes``): ``none`` (no tba), ``tba`` (tba's defaults, ``TBA_*``
-applied), ``auto`` and ``recompute`` (the defaults with ``policy`` set). Each tba mode has its
-own Offloader. Order of work:
+activations). Modes (``--modes``, all by default):
 
-1. exactness, under ``torch.use_deterministic_algorithms(True)``: no tba twice (the control),
-   then each tba mode after its warm-up steps, losses and gradients compared bit for bit.
-   Without deterministic algorithms two runs of the same step differ on a GPU (seen on an
-   H200: flash attention's and embedding's backward accumulate in a varying order), so a
-   comparison there says nothing about tba; if even the control differs, exactness is
-   reported as not checkable rather than as a failure.
-2. timing, with the default (nondeterministic) kernels: ``--warmup`` steps per mode (adaptive
-   keep and the chooser decide after step 1), then ``--steps`` rounds, one step of each mode in
-   turn; the figures are medians, the peak the largest of the timed steps.
+- peers: ``none`` (no tba), ``checkpoint`` (``torch.utils.checkpoint``, non-reentrant, per
+  block), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``; on the CPU
+  pin_memory=False, since pinning needs CUDA), ``torchtune`` (torchtune's
+  ``OffloadActivations``, when it imports and runs here: else its row says why not);
+- tba: ``tba`` (its defaults, ``TBA_*`` applied), ``auto@0.5`` and ``auto@0.35``
+  (``TBA_POLICY=auto`` with a memory budget of that share of the activation peak of ``none``),
+  ``recompute`` and ``selective`` (``TBA_POLICY``). Each tba mode has its own Offloader.
 
-    python benchmarks/gpu/bench_gpu.py --json out.json [--steps 5] [--spill-dir /nvme/tba]
+The activation peak of a mode is its ``torch.cuda.max_memory_allocated`` less the weights and
+their gradients (on the CPU, without a device peak, that of ``none`` is measured by counting the
+saved tensors instead, for the budgets). Order of work:
+
+1. warm-up: ``--warmup`` steps per mode, ``none`` first (its peak sets auto's budgets); adaptive
+   keep and the chooser decide after step 1;
+2. exactness, under ``torch.use_deterministic_algorithms(True)``: no tba twice (the control),
+   then each other mode, losses and gradients compared bit for bit. Without deterministic
+   algorithms two runs of the same step differ on a GPU (seen on an H200: flash attention's and
+   embedding's backward accumulate in a varying order), so a comparison there says nothing; if
+   even the control differs, exactness is reported as not checkable rather than as a failure;
+3. timing, with the default (nondeterministic) kernels: ``--steps`` rounds, one step of each
+   mode in turn; the figures are medians, the peak the largest of the timed steps.
+
+    python benchmarks/gpu/bench_gpu.py --json out.json [--seq 16384 --warmup 2 --steps 3]
     python benchmarks/gpu/bench_gpu.py --dry   # a tiny model on the CPU: checks the script
 
 Model (--layers 16 --hidden 2048 --heads 16 --kv-heads 4 --ffn 5632 --vocab 32000): about
-0.85 B parameters. ``--dry`` uses 2 layers of hidden 64 at sequence 128 on whatever device
-is there and is what CI runs (benchmarks/gpu/check.sh --dry).
+0.85 B parameters. ``--dry`` uses 2 layers of hidden 64 at sequence 128 (or ``--seq``) on
+whatever device is there and is what CI runs (benchmarks/gpu/check.sh --dry).
+:func:`acceptance` judges the figures against issue 40's targets; benchmarks/gpu/summarize.py
+prints them in one table.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import tba  # noqa: E402
 
@@ -104,12 +117,16 @@ class Llama(nn.Module):
         self.norm = RMSNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
         self.hd = hidden // heads
+        self.checkpointed = False  # the ``checkpoint`` mode: each block under checkpoint
 
     def forward(self, tokens, targets):
         x = self.embed(tokens)
         cos, sin = rotary(tokens.shape[1], self.hd, x.device, x.dtype)
         for blk in self.blocks:
-            x = blk(x, cos, sin)
+            if self.checkpointed:
+                x = checkpoint(blk, x, cos, sin, use_reentrant=False)
+            else:
+                x = blk(x, cos, sin)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
@@ -119,18 +136,120 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def step(model, off, tokens, targets, dev):
+PEERS = ("none", "checkpoint", "save_on_cpu", "torchtune")
+TBA_MODES = {  # name: Config overrides on top of tba's defaults; "budget": share of none's peak
+    "tba": {},
+    "auto@0.5": {"policy": "auto", "budget": 0.5},
+    "auto@0.35": {"policy": "auto", "budget": 0.35},
+    "recompute": {"policy": "recompute"},
+    "selective": {"policy": "selective"},
+}
+MODES = (*PEERS, *TBA_MODES)
+COUNTERS = ("bytes_offloaded", "bytes_reloaded", "stall_seconds", "pack_stall_seconds")
+LAST = ("sync_loads", "uploads_ahead", "uploads_at_unpack", "keep_last", "kept_reasons")
+
+
+class Mode:
+    """How one mode runs a step: ``off`` (a tba mode's Offloader) or ``ctx`` (a context the
+    forward runs in); ``not_run``: why it cannot run here; ``note``: how it ran."""
+
+    def __init__(self, name, ctx=None, off=None, not_run=None, note=None):
+        self.name, self.ctx, self.off, self.not_run, self.note = name, ctx, off, not_run, note
+
+
+def load_torchtune():
+    """torchtune's ``OffloadActivations`` and how it was imported, or (None, why not).
+
+    ``torchtune/__init__.py`` imports its datasets, models and generation packages, and with them
+    Hugging Face ``datasets`` and its dependencies, which ``OffloadActivations`` does not use.
+    When that import fails, ``torchtune.training`` is imported without running the package's
+    ``__init__`` (the class is torchtune's own code either way); docs/gpu.md says what to carry.
+    """
+    try:
+        from torchtune.training import OffloadActivations
+
+        return OffloadActivations, "torchtune.training"
+    except Exception as first:  # noqa: BLE001 - any import failure is a reason to report
+        import importlib.util
+        import types
+
+        try:
+            spec = importlib.util.find_spec("torchtune")
+        except Exception:  # noqa: BLE001
+            spec = None
+        if spec is None or spec.origin is None:
+            return None, f"torchtune not importable ({type(first).__name__}: {first})"
+        for name in [n for n in sys.modules if n == "torchtune" or n.startswith("torchtune.")]:
+            del sys.modules[name]  # what the failed import left half-built
+        pkg = types.ModuleType("torchtune")
+        pkg.__path__ = [os.path.dirname(spec.origin)]
+        sys.modules["torchtune"] = pkg
+        try:
+            from torchtune.training import OffloadActivations
+        except Exception as e:  # noqa: BLE001
+            del sys.modules["torchtune"]
+            return None, f"torchtune not importable ({type(e).__name__}: {e})"
+        return OffloadActivations, "torchtune.training, without torchtune/__init__ (datasets)"
+
+
+def torchtune_mode():
+    cls, how = load_torchtune()
+    if cls is None:
+        return Mode("torchtune", not_run=how)
+    version = getattr(sys.modules.get("torchtune"), "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("torchtune")
+        except Exception:  # noqa: BLE001
+            version = "?"
+    try:
+        ctx = cls()  # its defaults: pinned memory, a side stream; one for every step
+    except Exception as e:  # noqa: BLE001 - e.g. it needs CUDA (it takes the CUDA streams)
+        return Mode("torchtune", not_run=f"torchtune {version} cannot run here ({e!s:.200})")
+    return Mode("torchtune", ctx=lambda: ctx, note=f"torchtune {version} via {how}")
+
+
+class _Checkpointed:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.checkpointed = True
+
+    def __exit__(self, *exc):
+        self.model.checkpointed = False
+
+
+def peer_mode(name, model, dev):
+    if name == "checkpoint":
+        return Mode(name, ctx=lambda: _Checkpointed(model))
+    if name == "save_on_cpu":
+        pin = dev.type == "cuda"
+        note = None if pin else "pin_memory=False: pinning needs CUDA"
+        return Mode(name, ctx=lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin), note=note)
+    if name == "torchtune":
+        return torchtune_mode()
+    return Mode(name)  # none
+
+
+def step(model, mode, tokens, targets, dev):
     """One forward + backward; returns (seconds, peak bytes allocated, loss, stats or None)."""
     model.zero_grad(set_to_none=True)
     sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    off = mode.off
     t0 = time.perf_counter()
-    if off is None:
-        loss = model(tokens, targets)
-    else:
+    if off is not None:
         with off.step(model):
             loss = model(tokens, targets)
+    elif mode.ctx is not None:
+        with mode.ctx():
+            loss = model(tokens, targets)
+    else:
+        loss = model(tokens, targets)
     loss.backward()
     sync(dev)
     dt = time.perf_counter() - t0
@@ -142,43 +261,37 @@ def step(model, off, tokens, targets, dev):
     return dt, peak, loss.detach(), stats
 
 
-MODES = {  # name: Config overrides on top of tba's defaults (None: no tba)
-    "none": None,
-    "tba": {},
-    "auto": {"policy": "auto"},
-    "recompute": {"policy": "recompute"},
-}
-COUNTERS = ("bytes_offloaded", "bytes_reloaded", "stall_seconds", "pack_stall_seconds")
-LAST = ("sync_loads", "uploads_ahead", "uploads_at_unpack", "keep_last", "kept_reasons")
-
-
-def grads_of(model, off, x, y, dev):
-    loss = step(model, off, x, y, dev)[2]
+def grads_of(model, mode, x, y, dev):
+    loss = step(model, mode, x, y, dev)[2]
     return [loss.clone(), *(p.grad.clone() for p in model.parameters())]
 
 
-def exactness(model, offs, x, y, dev) -> dict:
-    """Per tba mode: True or False (bit-identical to no tba), or None when the control (no tba
-    run twice) already differs; under deterministic algorithms (see the module docstring)."""
+def exactness(model, modes, x, y, dev) -> dict:
+    """Per mode but ``none``: True or False (bit-identical to no tba), or None when the control
+    (no tba run twice) already differs; under deterministic algorithms (module docstring)."""
     torch.use_deterministic_algorithms(True)
+    none = Mode("none")
     try:
-        ref = grads_of(model, None, x, y, dev)
-        control = all(map(torch.equal, ref, grads_of(model, None, x, y, dev)))
+        ref = grads_of(model, none, x, y, dev)
+        control = all(map(torch.equal, ref, grads_of(model, none, x, y, dev)))
         out = {"deterministic_control": control}
-        for name, off in offs.items():
-            got = grads_of(model, off, x, y, dev)
-            out[name] = all(map(torch.equal, ref, got)) if control else None
+        for mode in modes:
+            if mode.name != "none":
+                got = grads_of(model, mode, x, y, dev)
+                out[mode.name] = all(map(torch.equal, ref, got)) if control else None
         return out
-    except RuntimeError as e:  # an op without a deterministic implementation
+    except RuntimeError as e:  # an op without a deterministic implementation, or memory
         return {"deterministic_control": None, "error": str(e).splitlines()[0][:300]}
     finally:
         torch.use_deterministic_algorithms(False)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def decided(st: dict) -> str:
     """What the step's policy did to the blocks, in a few words; for ``auto`` also the step
-    time its chooser predicted (blocks are timed with the host clock: on a GPU the prediction
-    shows how far that is from the kernels' time) and how long it took to decide."""
+    time its chooser predicted (from blocks timed on the device clock on a GPU) and how long it
+    took to decide."""
     d = st.get("policy_decision", {})
     acts = d.get("actions")
     if acts:
@@ -190,58 +303,102 @@ def decided(st: dict) -> str:
     return f"{st['policy']}, keep_last {st['keep_last']}"
 
 
+def saved_peak(model, x, y) -> int:
+    """The most bytes of saved tensors alive at once in a step without tba (the CPU's stand-in
+    for the activation peak, which has no device counter there)."""
+    from tba.bench import SavedTensorMeter
+
+    meter = SavedTensorMeter(model)
+    model.zero_grad(set_to_none=True)
+    meter.reset()
+    with meter.hooks():
+        loss = model(x, y)
+    meter.flush()
+    peak = max(v for _, v in meter.events)
+    loss.backward()
+    return peak
+
+
+def budget_of(share: float, activation_peak: int) -> int | float:
+    """TBA_MEMORY_BUDGET for ``share`` of the activation peak: in bytes, or where that is below
+    the 1 MiB tba accepts (the dry run's tiny model) the share itself, of tba's saved bytes."""
+    nbytes = int(share * activation_peak)
+    return nbytes if nbytes >= 1 << 20 else share
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry", action="store_true", help="a tiny model: checks the script")
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each mode)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=None, help="default 4096 (--dry: 128)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spill-dir", default=None, help="default: TBA_SPILL_DIR, else a temp dir")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or "none" not in modes:
+    names = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or "none" not in names:
         ap.error(f"--modes takes 'none' and any of {', '.join(MODES)}; got {a.modes!r}")
+    names = ["none", *(m for m in names if m != "none")]  # none first: its peak sets budgets
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.dry:
-        a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq = 2, 64, 4, 2, 128, 256, 128
-        a.warmup, a.steps = 2, 1
+        a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab = 2, 64, 4, 2, 128, 256
+        a.warmup, a.steps = min(a.warmup, 2), 1
+    a.seq = a.seq or (128 if a.dry else 4096)
     dtype = torch.bfloat16 if dev.type == "cuda" or a.dry else torch.float32
     torch.manual_seed(0)
     model = Llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab).to(dev, dtype)
     params = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(dev)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     spill = a.spill_dir or os.environ.get("TBA_SPILL_DIR") or tempfile.mkdtemp(prefix="tba-gpu-")
     extra = {"min_offload_bytes": 1} if a.dry else {}
-    offs = {
-        m: tba.Offloader(tba.Config(spill_dir=spill, **extra, **MODES[m]))
-        for m in modes
-        if m != "none"
-    }
-    runs: dict[str, list] = {m: [] for m in modes}
+    modes = {m: peer_mode(m, model, dev) for m in names if m in PEERS}
+    runs: dict[str, list] = {}
+    base = {"activation_peak": 0, "from": ""}
     try:
-        for m in modes:  # warm-up: allocator, kernels, slabs, adaptive keep, the chooser
-            for _ in range(a.warmup):
-                step(model, offs.get(m), x, y, dev)
-        exact = exactness(model, offs, x, y, dev)
+        for _ in range(a.warmup):  # allocator, kernels; and none's peak for the budgets
+            got = step(model, modes["none"], x, y, dev)
+        base["activation_peak"] = max(0, got[1] - 2 * weights)  # weights and their gradients
+        base["from"] = "max_memory_allocated of none less weights and gradients"
+        if dev.type != "cuda":
+            base["activation_peak"] = saved_peak(model, x, y)
+            base["from"] = "saved tensors of none alive at once (no device peak on the CPU)"
+        for m in names:
+            if m in TBA_MODES:
+                cfg = dict(TBA_MODES[m])
+                share = cfg.pop("budget", None)
+                if share is not None:
+                    cfg["memory_budget"] = budget_of(share, base["activation_peak"])
+                off = tba.Offloader(tba.Config(spill_dir=spill, **extra, **cfg))
+                modes[m] = Mode(m, off=off)
+        modes = {m: modes[m] for m in names}
+        ready = [mode for mode in modes.values() if mode.not_run is None]
+        for mode in ready:  # warm-up: slabs, adaptive keep, the chooser
+            if mode.name != "none":
+                for _ in range(a.warmup):
+                    step(model, mode, x, y, dev)
+        exact = exactness(model, ready, x, y, dev)
+        runs = {mode.name: [] for mode in ready}
         for _ in range(a.steps):
-            for m in modes:
-                runs[m].append(step(model, offs.get(m), x, y, dev))
-        backend = next(iter(offs.values())).stats()["backend"] if offs else None
+            for mode in ready:
+                runs[mode.name].append(step(model, mode, x, y, dev))
+        offs = [mode.off for mode in ready if mode.off is not None]
+        backend = offs[0].stats()["backend"] if offs else None
     finally:
-        for off in offs.values():
-            off.close()
+        for mode in modes.values():
+            if mode.off is not None:
+                mode.off.close()
     out = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -259,31 +416,52 @@ def main(argv=None) -> dict:
             "batch": a.batch,
             "dtype": str(dtype).removeprefix("torch."),
         },
+        "weights_bytes": weights,
+        "budget_base": base,
         "spill_dir": spill,
         "backend": backend,
         "warmup": a.warmup,
         "steps": a.steps,
         "exactness": exact,
-        "bit_exact": all(exact.get(m) is not False for m in offs) and "error" not in exact,
+        # tba's modes: a peer's (reported per row) is not tba's to fail
+        "bit_exact": all(exact.get(m) is not False for m in runs if m in TBA_MODES)
+        and "error" not in exact,
         "modes": {},
     }
-    for m, rs in runs.items():
+    for m, mode in modes.items():
+        if mode.not_run is not None:
+            out["modes"][m] = {"not_run": mode.not_run}
+            continue
+        rs = runs[m]
+        peak = max(r[1] for r in rs)
         r = {
             "step_seconds": statistics.median(r[0] for r in rs),
-            "max_memory_allocated": max(r[1] for r in rs),
+            "max_memory_allocated": peak,
+            "activation_peak": max(0, peak - 2 * weights) if dev.type == "cuda" else None,
+            "bit_exact": exact.get(m) if m != "none" else True,
         }
-        if m != "none":
+        if mode.note:
+            r["note"] = mode.note
+        if mode.off is not None:
             sts = [r[3] for r in rs]
             r.update({k: statistics.median(s[k] for s in sts) for k in COUNTERS})
             r.update({k: sts[-1][k] for k in LAST})
             r["decided"] = decided(sts[-1])
-            r["bit_exact"] = exact.get(m)
+            if m in TBA_MODES and "budget" in TBA_MODES[m]:
+                r["memory_budget"] = budget_of(TBA_MODES[m]["budget"], base["activation_peak"])
+            pred = sts[-1].get("policy_decision", {}).get("predicted_step_seconds")
+            if pred is not None:
+                r["predicted_step_seconds"] = pred
+                r["prediction_error"] = pred / r["step_seconds"] - 1
         out["modes"][m] = r
-    base = out["modes"]["none"]
+    none = out["modes"]["none"]
     for r in out["modes"].values():
-        r["step_ratio"] = r["step_seconds"] / base["step_seconds"]
-        mem = base["max_memory_allocated"]
-        r["memory_ratio"] = r["max_memory_allocated"] / mem if mem else None
+        if "not_run" in r:
+            continue
+        r["step_ratio"] = r["step_seconds"] / none["step_seconds"]
+        act = none["activation_peak"]
+        r["peak_ratio"] = r["activation_peak"] / act if act else None
+    out["acceptance"] = acceptance(out)
     print(summary(out))
     if a.json:
         with open(a.json, "w") as f:
@@ -294,30 +472,126 @@ def main(argv=None) -> dict:
     return out
 
 
-def summary(out: dict) -> str:
+# Issue 40's targets, per line: (what, how it is judged)
+TARGETS = (
+    "tba default: step <= 1.05x none, activation peak below save_on_cpu's",
+    "recompute: step <= 1.00x checkpoint",
+    "auto@0.5: step <= 1.10x none",
+    "auto@0.35: step <= checkpoint's",
+    "faster than save_on_cpu at an equal or lower peak (some tba mode)",
+    "faster than torchtune at an equal or lower peak (some tba mode)",
+    "auto@0.5: predicted step within 15% of measured",
+    "auto@0.35: predicted step within 15% of measured",
+)
+
+
+def acceptance(out: dict) -> list[dict]:
+    """Each target of :data:`TARGETS` judged from the measurements: ``ok`` True (pass), False
+    (fail) or None (not judged: a mode did not run, or no device peak), and the figures."""
+    modes = out["modes"]
+
+    def ran(m):
+        r = modes.get(m)
+        return r if r is not None and "not_run" not in r else None
+
+    def peak(m):
+        r = ran(m)
+        return None if r is None else r.get("activation_peak")
+
+    def line(what, ok, detail):
+        return {"target": what, "ok": ok, "detail": detail}
+
+    def ratio(a, b, limit, what):
+        ra, rb = ran(a), ran(b)
+        if ra is None or rb is None:
+            return line(what, None, f"{a if ra is None else b} did not run")
+        x = ra["step_seconds"] / rb["step_seconds"]
+        return line(what, x <= limit, f"{x:.3f}x {b}")
+
+    got = []
+    d, s = ran("tba"), ran("save_on_cpu")
+    if d is None or s is None:
+        got.append(line(TARGETS[0], None, f"{'tba' if d is None else 'save_on_cpu'} did not run"))
+    else:
+        x = d["step_ratio"]
+        pd, ps = peak("tba"), peak("save_on_cpu")
+        if pd is None or ps is None:
+            got.append(line(TARGETS[0], None, f"{x:.3f}x none; no device peak"))
+        else:
+            detail = f"{x:.3f}x none; peak {pd / 2**30:.2f} vs {ps / 2**30:.2f} GiB"
+            got.append(line(TARGETS[0], x <= 1.05 and pd < ps, detail))
+    got.append(ratio("recompute", "checkpoint", 1.00, TARGETS[1]))
+    got.append(ratio("auto@0.5", "none", 1.10, TARGETS[2]))
+    got.append(ratio("auto@0.35", "checkpoint", 1.00, TARGETS[3]))
+    for peer, what in (("save_on_cpu", TARGETS[4]), ("torchtune", TARGETS[5])):
+        rp = ran(peer)
+        if rp is None:
+            why = modes.get(peer, {}).get("not_run", "not in --modes")
+            got.append(line(what, None, f"{peer} not run: {why}"))
+            continue
+        pp = peak(peer)
+        if pp is None:
+            got.append(line(what, None, "no device peak"))
+            continue
+        better = [
+            (m, modes[m]["step_seconds"])
+            for m in TBA_MODES
+            if ran(m) and peak(m) is not None and peak(m) <= pp
+        ]
+        faster = [(m, t) for m, t in better if t < rp["step_seconds"]]
+        if faster:
+            m, t = min(faster, key=lambda mt: mt[1])
+            got.append(line(what, True, f"{m}: {t / rp['step_seconds']:.3f}x {peer}'s step"))
+        else:
+            got.append(
+                line(what, False, f"none of {', '.join(m for m, _ in better) or 'no tba mode'}")
+            )
+    for m, what in (("auto@0.5", TARGETS[6]), ("auto@0.35", TARGETS[7])):
+        r = ran(m)
+        if r is None or "prediction_error" not in r:
+            got.append(line(what, None, f"{m}: no prediction" if r else f"{m} did not run"))
+            continue
+        e = r["prediction_error"]
+        detail = (
+            f"predicted {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s"
+        )
+        got.append(line(what, abs(e) <= 0.15, f"{detail} ({e:+.0%})"))
+    return got
+
+
+def summary(out: dict, targets: bool = True) -> str:
     gib, mib = 1 << 30, 1 << 20
     m = out["model"]
+    base = out.get("budget_base", {})
     lines = [
         f"{out['device']}, torch {out['torch']} (CUDA {out['cuda']}), backend {out['backend']}",
         f"model: {m['params'] / 1e9:.2f} B params, {m['layers']} layers, hidden {m['hidden']}, "
         f"seq {m['seq']} x batch {m['batch']}, {m['dtype']}"
         + (" (dry run: tiny model)" if out["dry"] else "")
-        + f"; {out['warmup']} warm-up steps, median of {out['steps']}",
-        f"{'mode':<10} {'step s':>7} {'x none':>7} {'max alloc GiB':>14} {'x none':>7} "
+        + f"; {out['warmup']} warm-up steps, median of {out['steps']} interleaved rounds",
+        f"auto's budgets: shares of {base.get('activation_peak', 0) / mib:.1f} MiB "
+        f"({base.get('from', '?')})",
+        f"{'mode':<11} {'step s':>7} {'x none':>7} {'act peak GiB':>13} {'x none':>7} "
         f"{'out MiB':>8} {'back MiB':>8} {'stall s':>8}  exact  decided",
     ]
     for name, r in out["modes"].items():
+        if "not_run" in r:
+            lines.append(f"{name:<11} not run: {r['not_run']}")
+            continue
+        act = r.get("activation_peak")
         row = (
-            f"{name:<10} {r['step_seconds']:>7.3f} {r['step_ratio']:>7.2f} "
-            f"{r['max_memory_allocated'] / gib:>14.2f} "
-            + (f"{r['memory_ratio']:>7.3f}" if r["memory_ratio"] else f"{'':>7}")
+            f"{name:<11} {r['step_seconds']:>7.3f} {r['step_ratio']:>7.2f} "
+            + (f"{act / gib:>13.2f} " if act is not None else f"{'n/a':>13} ")
+            + (f"{r['peak_ratio']:>7.3f}" if r.get("peak_ratio") else f"{'':>7}")
         )
-        if name != "none":
-            ex = {True: "yes", False: "NO", None: "n/a"}[r["bit_exact"]]
+        ex = {True: "yes", False: "NO", None: "n/a"}[r["bit_exact"]]
+        if "decided" in r:
             row += (
                 f" {r['bytes_offloaded'] / mib:>8.1f} {r['bytes_reloaded'] / mib:>8.1f} "
                 f"{r['stall_seconds']:>8.3f}  {ex:<5}  {r['decided']}"
             )
+        elif name != "none":
+            row += f" {'':>8} {'':>8} {'':>8}  {ex:<5}  {r.get('note', '')}"
         lines.append(row)
     ex = out["exactness"]
     if ex.get("deterministic_control") is None:
@@ -331,7 +605,15 @@ def summary(out: dict) -> str:
             "exact: losses and gradients bit-identical to no tba under "
             "deterministic algorithms (control: no tba twice, identical)"
         )
+    if targets:
+        dry = " (dry run: a tiny model on the CPU, not the targets' workload)" if out["dry"] else ""
+        lines.append(f"targets (issue 40){dry}:")
+        for t in out.get("acceptance", []):
+            lines.append(f"  {VERDICT[t['ok']]}  {t['target']}: {t['detail']}")
     return "\n".join(lines)
+
+
+VERDICT = {True: "pass", False: "FAIL", None: "n/a "}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 #      then the kvikio backend: which mode it runs in (GDS or compat), its tests (the fake's,
 #      the gpu one, and tests/storage/test_kvikio_real.py) and, when kvikio imports, the GPU
 #      benchmark's tba mode on TBA_BACKEND=kvikio (240 s at most);
-#   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, seq 4096);
+#   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, tba's modes
+#      against no tba, checkpointing, save_on_cpu and torchtune), at seq 4096 and again at
+#      16384 with fewer steps (bench_long); torchtune wheels carried in $TORCHTUNE_WHEELS (a
+#      directory) are installed first, as kvikio's are;
 #   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
 #      plain gradient accumulation, W1's blocks; 120 s at most);
 #   5. the overhead benchmark (benchmarks/bench_overhead.py --device cuda: tba's modes against no
@@ -113,6 +116,9 @@ if [ $DRY -eq 1 ]; then
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
     run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    # the second run's path, kept short: three modes
+    run bench_long 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --seq 256 --warmup 1 --steps 1 \
+        --modes none,tba,auto@0.35 --json "$OUT_DIR/bench_long.json"
     run relay_bench 120 "$PY" benchmarks/gpu/bench_relay_gpu.py --dry \
         --json "$OUT_DIR/relay_bench.json"
     run overhead 120 "$PY" benchmarks/bench_overhead.py --models launch --rounds 2 --warmup 1
@@ -143,8 +149,15 @@ else
             benchmarks/gpu/bench_gpu.py --modes none,tba --warmup 1 --steps 3 \
             --json "$OUT_DIR/kvikio_bench.json"
     fi
-    run bench "$(( $(left) > 420 ? 420 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
+    if [ -n "${TORCHTUNE_WHEELS:-}" ]; then  # torchtune and what its import needs (docs/gpu.md)
+        run torchtune_install 120 "$PY" -m pip install --no-deps --no-index "$TORCHTUNE_WHEELS"/*.whl
+    fi
+    # planned for ~3 min on an H200, capped at the 420 s the one run had: seq 4096 in full,
+    # 16384 with fewer steps (where the disk matters)
+    run bench "$(( $(left) > 180 ? 180 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
         --json "$OUT_DIR/bench.json"
+    run bench_long "$(( $(left) > 240 ? 240 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
+        --seq 16384 --warmup 2 --steps 3 --json "$OUT_DIR/bench_long.json"
     run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
         --json "$OUT_DIR/relay_bench.json"
     run overhead "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" benchmarks/bench_overhead.py \

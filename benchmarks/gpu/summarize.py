@@ -50,6 +50,26 @@ def pytest_result(text: str) -> dict:
     }
 
 
+def targets_table(benches: list[tuple[str, dict]]) -> list[str]:
+    """One table of issue 40's targets: a line per target, a column per benchmark run (its
+    sequence length): pass, FAIL or n/a, and the figures it was judged on."""
+    from bench_gpu import TARGETS, VERDICT
+
+    heads = [f"seq {out['model']['seq']}" + (" (dry)" if out["dry"] else "") for _, out in benches]
+    lines = ["targets (issue 40): " + " | ".join(heads)]
+    for i, target in enumerate(TARGETS):
+        cells = []
+        for _, out in benches:
+            got = out.get("acceptance", [])
+            t = got[i] if i < len(got) and got[i]["target"] == target else None
+            cells.append(
+                "n/a  (not measured)" if t is None else f"{VERDICT[t['ok']]} {t['detail']}"
+            )
+        lines.append(f"  {target}")
+        lines += [f"      {h}: {c}" for h, c in zip(heads, cells)]
+    return lines
+
+
 def read(path: str) -> str:
     with open(path, errors="replace") as f:
         return f.read()
@@ -63,7 +83,7 @@ def main() -> int:
         path = os.path.join(out_dir, f"{name}.txt")
         if os.path.exists(path):
             report[name] = pytest_result(read(path))
-    for key in ("bench", "relay_bench"):
+    for key in ("bench", "bench_long", "relay_bench"):
         path = os.path.join(out_dir, f"{key}.json")
         if os.path.exists(path):
             report[key] = json.loads(read(path))
@@ -96,10 +116,16 @@ def main() -> int:
         lines.append(f"{name}: {counts or 'no result'}{cut}")
         lines += [f"  FAILED {f}" for f in r["failed"]]
         lines += [f"  skipped {s['n']} at {s['where']}: {s['why']}" for s in r["skips"]]
-    if "bench" in report:
+    benches = [(k, report[k]) for k in ("bench", "bench_long") if k in report]
+    if benches:
         from bench_gpu import summary
 
-        lines += ["bench_gpu:", *("  " + ln for ln in summary(report["bench"]).splitlines())]
+        for _, out in benches:
+            lines += [
+                f"bench_gpu (seq {out['model']['seq']}):",
+                *("  " + ln for ln in summary(out, targets=False).splitlines()),
+            ]
+        lines += targets_table(benches)
     if "relay_bench" in report:
         from bench_relay_gpu import summary as relay_summary
 

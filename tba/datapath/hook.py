@@ -125,6 +125,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 if not stat.bwd_first:  # GroupStat.unpacked, inline
                     stat.bwd_first = t0
                 stat.bwd_last = t0
+                if stat.marks is not None:
+                    stat.marks.unpacked()
                 if self.packer.time_hooks:
                     out = packed.unpack()
                     stat.unpack_seconds += self.st.clock() - t0

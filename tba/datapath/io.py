@@ -26,7 +26,7 @@ import torch
 
 from ..config import Config, format_size
 from ..errors import CapacityError, ConfigError
-from ..host.clock import SYSTEM, Clock
+from ..host.clock import SYSTEM, Clock, Timeline
 from ..host.memory import available_memory, io_buffer
 from ..records.entry import Entry
 from ..records.index import Index
@@ -34,7 +34,7 @@ from ..records.step import GroupStat, StepState
 from ..storage.base import Backend, Extent, Span
 from ..storage.checksum import resolve
 from ..storage.hosttier import HostExtent, TieredBackend
-from .capture.device import CpuAdapter, DeviceAdapter, adapter_for
+from .capture.device import CpuAdapter, DeviceAdapter, DeviceClock, adapter_for
 from .capture.staging import DirectBlock, StagingPool
 
 log = logging.getLogger("tba")
@@ -74,6 +74,8 @@ class IO:
         self.live: set[Entry] = set()  # entries not yet dead
         self.adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
         self.uploading: set[torch.device] = set()  # devices whose adapter uploads read bytes
+        # per device a step runs on: its timeline (NOTE [Device clock]); None: the host clock
+        self.timelines: dict[torch.device, Timeline | None] = {}
         # Called (lock held) when an entry's bytes have come back to host memory: the Reader
         # sets it to the device window's pump (NOTE [Device prefetch] in tba/datapath/prefetch.py).
         self.on_host: Callable[[], None] = lambda: None
@@ -109,12 +111,39 @@ class IO:
         return got
 
     def add_adapter(self, device: torch.device, adapter: DeviceAdapter, pool: StagingPool) -> None:
-        """Use ``adapter`` and ``pool`` for tensors on ``device`` (tests put fakes in here)."""
+        """Use ``adapter`` and ``pool`` for tensors on ``device`` (tests put fakes in here); a
+        device adapter's clock times the steps that run there, unless one does already."""
         self.adapters[device] = (adapter, pool)
+        clock = getattr(adapter, "clock", None)
+        if clock is not None and self.timelines.get(device) is None:
+            self.timelines[device] = clock
         if adapter.uploads:
             self.uploading.add(device)
         else:
             self.uploading.discard(device)
+
+    def timeline(self, device: torch.device | None) -> Timeline | None:
+        """The timeline of a step that runs on ``device`` (NOTE [Device clock]): its events on a
+        CUDA device, None (the host clock) on the CPU. ``device`` None (no model given): the
+        one device timeline in use, if there is exactly one."""
+        if device is None:
+            found = [t for t in self.timelines.values() if t is not None]
+            return found[0] if len(found) == 1 else None
+        if device not in self.timelines:
+            self.timelines[device] = DeviceClock(device) if device.type == "cuda" else None
+        return self.timelines[device]
+
+    def copy_rates(self) -> tuple[float | None, float | None]:
+        """Bytes per second of the copies to and from the devices since the last call, as the
+        devices timed them (NOTE [Copy timing]); None: none timed."""
+        sums = {True: [0, 0.0], False: [0, 0.0]}
+        for adapter, _ in self.adapters.values():
+            take = getattr(adapter, "take_copies", None)
+            for to_host, nbytes, seconds in take() if take is not None else ():
+                sums[to_host][0] += nbytes
+                sums[to_host][1] += seconds
+        rate = {k: (n / s if s > 0 else None) for k, (n, s) in sums.items()}
+        return rate[True], rate[False]
 
     def staging_in_use(self) -> int:
         return sum(pool.in_use for _, pool in self.adapters.values())

@@ -82,6 +82,10 @@ class Offloader:
         self._current: StepState | None = None
         self._last: StepState | None = None
         self._active_thread: int | None = None
+        # steps whose backward ran but whose device marks had not all passed when looked at
+        # (NOTE [Device clock] in tba/host/clock.py): observed, in order, once they have
+        self._unresolved: list[StepState] = []
+        self._copy_bps: tuple[float | None, float | None] = (None, None)  # NOTE [Copy timing]
         self.metrics: RankMetrics | None = None
         if not self.enabled:
             self.backend = None
@@ -190,7 +194,7 @@ class Offloader:
             self.groups.keep_last = self.keeper.k
             self.groups.assignment = self.policy.assignment()
             self._steps += 1
-            st = StepState(self._steps, self.clock)
+            st = StepState(self._steps, self.clock, self.io.timeline(_device_of(model)))
             self._plan_tiers(st)
             self._current = st
             self.metrics.track(st)
@@ -245,7 +249,10 @@ class Offloader:
         with self.io.lock:
             self.index.bury()
             self._publish(settle=False)  # the metrics' totals now include these numbers
-            out = (self._last or StepState(0, self.clock)).snapshot(self.io.disk_in_use)
+            last = self._last
+            if last is not None and not last.resolved and last.backward_end():
+                last.resolve()  # device times where its marks have passed (NOTE [Device clock])
+            out = (last or StepState(0, self.clock)).snapshot(self.io.disk_in_use)
             out["backend"] = self.backend.name
             out["backend_reason"] = self.backend.reason
             out["keep_last"] = self.keeper.k
@@ -258,6 +265,7 @@ class Offloader:
             out["prefetch_inflight_bytes"] = self.prefetcher.inflight
             out["live_entries"] = len(self.io.live)
             out.update(self._tier_stats())
+            out["d2h_bps"], out["h2d_bps"] = self._copy_bps  # device-timed copies (CUDA)
             return out
 
     def synchronize(self) -> None:
@@ -285,7 +293,7 @@ class Offloader:
         io.drain()
         with io.lock:
             self.reader.keep_live_in_memory()
-            self._observe_last()
+            self._observe_last(wait=True)  # not a step: the device marks may be waited for
             self._publish(settle=True)
             self.metrics.close()
             self.groups.detach_all()
@@ -300,14 +308,27 @@ class Offloader:
         self.close()
 
     # -- measurements (NOTE [Adaptive keep], tba/datapath/trace.py) --------------------------------
-    def _observe_last(self) -> None:
-        """Feed the last step to the keep controller and the trace once its backward has run."""
+    def _observe_last(self, wait: bool = False) -> None:
+        """Feed the last step to the keep controller and the trace once its backward has run,
+        and on a device once its marks have passed (NOTE [Device clock]; ``wait``: wait for
+        them, at close): a step whose marks have not is observed at a later step's start,
+        before the steps after it."""
         st = self._last
-        if st is None or st.observed or not st.backward_end():
-            return
+        if st is not None and not st.observed and st not in self._unresolved and st.backward_end():
+            self._unresolved.append(st)
+        while self._unresolved:
+            st = self._unresolved[0]
+            if not st.resolve(wait):
+                return  # the device is behind: later marks have not passed either
+            del self._unresolved[0]
+            self._observe(st)
+
+    def _observe(self, st: StepState) -> None:
         st.observed = True
         records = st.group_records()
         w, r = st.bandwidth(True), st.bandwidth(False)
+        d2h, h2d = self._copy_bps = self.io.copy_rates()
+        w, r = _slower(w, d2h), _slower(r, h2d)  # a copy, then the disk (NOTE [Copy timing])
         n = len(records)
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
         largest = st.largest_read()
@@ -364,6 +385,9 @@ class Offloader:
                     "host_tier_spill_groups": st.spill_groups,
                     "host_write_bps": st.host_bandwidth(True),
                     "host_read_bps": st.host_bandwidth(False),
+                    "d2h_bps": d2h,
+                    "h2d_bps": h2d,
+                    "clock": "device" if st.timeline is not None else "host",
                     "keep_last": st.keep_last,
                     "keep_decision": self.keeper.decision,
                     "group_policy": st.group_policy,
@@ -478,6 +502,23 @@ class Offloader:
 def cuda_present() -> bool:
     """Whether this process can use CUDA (NOTE [Host tier] 1); tests with a fake CUDA patch it."""
     return torch.cuda.is_available()
+def _device_of(model: nn.Module | None) -> torch.device | None:
+    """Where ``model`` computes: its first parameter's (or buffer's) device; None: unknown."""
+    if model is None:
+        return None
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return None
+
+
+def _slower(tier: float | None, copy: float | None) -> float | None:
+    """A tier's bandwidth measured this step (None: not), bounded by its copies' (None: none
+    timed, or not a device)."""
+    if tier is None or copy is None:
+        return tier
+    return min(tier, copy)
 
 
 # NOTE [Model storages]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..host.clock import SYSTEM, Clock
+from ..host.clock import SYSTEM, Clock, Timeline
 
 # The keys of ``stats()`` that code outside this repository relies on (docs/configuration.md,
 # "stats()"), in the order that page lists them. More keys may be added; these never change.
@@ -54,15 +54,50 @@ class StorageRef:
         _free_weak_ref(self.cdata)
 
 
+class GroupMarks:
+    """A group's points on the device timeline (NOTE [Device clock] in tba/host/clock.py): its
+    forward's start and end, its first and last unpack, each recompute's start and end. None:
+    not marked. The last unpack's mark is moved, not renewed, at each unpack."""
+
+    __slots__ = ("timeline", "fwd_start", "fwd_end", "bwd_first", "bwd_last", "recompute")
+
+    def __init__(self, timeline: Timeline):
+        self.timeline = timeline
+        self.fwd_start: Any = None
+        self.fwd_end: Any = None
+        self.bwd_first: Any = None
+        self.bwd_last: Any = None
+        self.recompute: list[Any] = []  # start, end, start, end ...
+
+    def unpacked(self) -> None:
+        t = self.timeline
+        if self.bwd_first is None:
+            self.bwd_first = t.mark()
+            self.bwd_last = t.mark()
+        else:
+            t.mark(self.bwd_last)
+
+    def recompute_edge(self) -> None:
+        """A recompute of the block starts (even count so far) or ends (odd)."""
+        self.recompute.append(self.timeline.mark())
+
+    def all(self) -> list[Any]:
+        got = [self.fwd_start, self.fwd_end, self.bwd_first, self.bwd_last, *self.recompute]
+        return [m for m in got if m is not None]
+
+
 class GroupStat:
     """What one group (block) of one step did: bytes, and when its compute and I/O ran.
 
     Times are readings of the step's clock (tba/host/clock.py); 0.0 means "did not happen". The
     backward compute of a group is taken from its unpacks (see :meth:`StepState.group_records`).
+    On a device the compute's bounds are also marked on its timeline (``marks``), and become
+    device times once passed (:meth:`StepState.resolve`).
     """
 
     __slots__ = (
         "group",
+        "marks",
         "kept",
         "action",
         "input_bytes",
@@ -96,8 +131,9 @@ class GroupStat:
         "ssd_bytes",
     )
 
-    def __init__(self, group: int):
+    def __init__(self, group: int, marks: GroupMarks | None = None):
         self.group = group
+        self.marks = marks  # None: timed by the host clock alone
         self.kept = False
         self.action = ""  # a block's action (NOTE [Block policy]); "" between blocks
         self.input_bytes = 0  # a block's tensor inputs (what recompute keeps)
@@ -131,6 +167,8 @@ class GroupStat:
         if not self.bwd_first:
             self.bwd_first = now
         self.bwd_last = now
+        if self.marks is not None:
+            self.marks.unpacked()
 
     def io_started(self, write: bool, now: float) -> None:
         if write:
@@ -151,10 +189,16 @@ class GroupStat:
 class StepState:
     """Counters and the prefetch plan of one step."""
 
-    def __init__(self, index: int, clock: Clock = SYSTEM):
+    def __init__(self, index: int, clock: Clock = SYSTEM, timeline: Timeline | None = None):
         self.index = index
         self.clock = clock  # the Offloader's (tba/host/clock.py): every time of this step
         self.started = clock()
+        # the device's, where the step runs on one (NOTE [Device clock]); its marks: the step's
+        # start and forward end, and each group's (GroupMarks)
+        self.timeline = timeline
+        self.base: Any = timeline.mark() if timeline is not None else None
+        self.forward_mark: Any = None
+        self.resolved = timeline is None  # times final: host readings, or device marks read
         self.forward_seconds = 0.0
         self.saved_bytes = 0
         self.bytes_offloaded = 0
@@ -219,8 +263,58 @@ class StepState:
     def group(self, g: int) -> GroupStat:
         gs = self.by_group.get(g)
         if gs is None:
-            gs = self.by_group[g] = GroupStat(g)
+            tl = self.timeline
+            gs = self.by_group[g] = GroupStat(g, GroupMarks(tl) if tl is not None else None)
         return gs
+
+    def edge(self, ending: GroupStat | None, starting: GroupStat | None) -> None:
+        """The forward leaves ``ending`` for ``starting`` (either None: the step's first or last
+        edge): one device mark ends the one and starts the other. Only with a timeline."""
+        m = self.timeline.mark()  # type: ignore[union-attr]
+        if ending is not None and ending.marks is not None:
+            ending.marks.fwd_end = m
+        if starting is not None and starting.marks is not None:
+            starting.marks.fwd_start = m
+
+    def resolve(self, wait: bool = False) -> bool:
+        """Turn the step's compute times into device times once every mark has passed (with
+        ``wait``: after waiting for them, only where no step runs), and free the marks. Returns
+        whether its times are final; always True without a timeline (NOTE [Device clock])."""
+        tl = self.timeline
+        if self.resolved or tl is None:
+            return True
+        groups = list(self.by_group.values())
+        marks = [self.base] + ([self.forward_mark] if self.forward_mark is not None else [])
+        for gs in groups:
+            if gs.marks is not None:
+                marks += gs.marks.all()
+        marks = list({id(m): m for m in marks}.values())  # an edge ends one group, starts one
+        if not tl.passed(marks):
+            if not wait:
+                return False
+            tl.wait(marks)
+        base, t0 = self.base, self.started
+
+        def at(m: Any) -> float:  # on the device timeline, from where the host's started
+            return 0.0 if m is None else t0 + tl.elapsed(base, m)
+
+        for gs in groups:
+            gm = gs.marks
+            if gm is None:
+                continue
+            gs.fwd_start, gs.fwd_end = at(gm.fwd_start), at(gm.fwd_end)
+            gs.bwd_first, gs.bwd_last = at(gm.bwd_first), at(gm.bwd_last)
+            r = gm.recompute
+            if r:
+                gs.recompute_seconds = sum(tl.elapsed(a, b) for a, b in zip(r[::2], r[1::2]))
+            gs.marks = None
+        if self.forward_mark is not None:
+            self.forward_end = at(self.forward_mark)
+            self.forward_seconds = self.forward_end - t0
+        tl.release(marks)
+        self.base = self.forward_mark = None
+        self.resolved = True
+        return True
 
     def io_span(self, write: bool, start: float, end: float, nbytes: int) -> None:
         self.io_spans[0 if write else 1].append((start, end, nbytes))
@@ -361,6 +455,8 @@ class StepState:
 
     def finish_forward(self) -> None:
         self.forward_end = self.clock()
+        if self.timeline is not None:
+            self.forward_mark = self.timeline.mark()
         self.forward_seconds = self.forward_end - self.started
         self.seen.clear()  # release the weak references; saved_bytes is final
 

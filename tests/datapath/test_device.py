@@ -46,10 +46,11 @@ def test_capture_orders_producer_event_wait_copy_event(adapter, fake):
     dst = torch.zeros(16)
     ticket = adapter.capture(dst, src)
     kinds = [entry[0] for entry in fake.log]
-    # producer event on the default stream, side waits on it, the copy, then the copy's event
-    assert kinds == ["record", "wait_event", "op", "op", "record"]
+    # producer event on the default stream, side waits on it, the copy between its start
+    # event (NOTE [Copy timing]) and the copy's event
+    assert kinds == ["record", "wait_event", "op", "record", "op", "record"]
     assert fake.log[0][1] == "default" and fake.log[1][1] == "side0"
-    assert fake.log[4][1] == "side0"
+    assert fake.log[3][1] == fake.log[5][1] == "side0"
     assert not ticket.done() and torch.equal(dst, torch.zeros(16))  # nothing ran yet
     ticket.wait()
     assert torch.equal(dst, src)
@@ -185,8 +186,10 @@ def test_capture_events_are_reused_only_once_fired(adapter, fake):
     fourth = adapter.capture(dsts[3], srcs[3])
     assert {third.event, fourth.event} == {first.event, second.event}  # both fired: reused
     assert all(ev.blocking for ev in (third.event, fourth.event))
-    produced = [ev for ev in fake.events if not ev.blocking]
-    assert len(produced) == 1 and len(fake.events) == 3  # one producer, two copy events
+    assert {third.began, fourth.began} == {first.began, second.began}  # NOTE [Copy timing]
+    produced = [ev for ev in fake.events if not ev.timing]
+    # one producer, two copy events and their two start events
+    assert len(produced) == 1 and len(fake.events) == 5
     assert not third.done() and not fourth.done()  # recorded again: pending until they run
     fourth.wait()
     assert third.done()
@@ -323,7 +326,7 @@ def test_direct_capture_is_an_ordered_device_copy(direct, fake, no_host_staging)
     dst = arena[: 4096 * 4].view(torch.float32)
     ticket = direct.capture(dst, src)
     kinds = [entry[0] for entry in fake.log]
-    assert kinds == ["record", "wait_event", "op", "op", "record"]  # same rules as staged
+    assert kinds == ["record", "wait_event", "op", "record", "op", "record"]  # as staged
     assert not ticket.done() and ticket.source is src
     src.mul_(0)  # would show up if the copy ran late without the event
     src.copy_(want)

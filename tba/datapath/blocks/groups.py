@@ -362,6 +362,8 @@ class GroupTracker:
         self.reset(step)
         step.keep_last = self.keep_last
         self.stat.fwd_start = step.clock()
+        if step.timeline is not None:  # NOTE [Device clock] in tba/host/clock.py
+            step.edge(None, self.stat)
         rec = self.attach(model) if model is not None else None
         self.model = rec
         if rec is not None and not rec.windows:
@@ -455,11 +457,15 @@ class GroupTracker:
     def _switch(self, group: int) -> None:
         """The forward moves on to ``group``: close the current group's forward time."""
         self.group = group
-        if self.step is not None:
-            now = self.step.clock()
-            self.stat.fwd_end = now
-            self.stat = self.step.group(group)
+        step = self.step
+        if step is not None:
+            now = step.clock()
+            ending = self.stat
+            ending.fwd_end = now
+            self.stat = step.group(group)
             self.stat.fwd_start = now
+            if step.timeline is not None:
+                step.edge(ending, self.stat)
 
     def outside_blocks(self) -> bool:
         """A model was given to this step and the forward is in none of its blocks: before the
@@ -516,6 +522,8 @@ class GroupTracker:
         self.fast_ok, self.fast = False, None
         if self.stat is not None:
             self.stat.fwd_end = self.step.clock()
+            if self.step.timeline is not None:
+                self.step.edge(self.stat, None)
         for undo in self._unwrap:
             undo()
         self._unwrap.clear()

@@ -162,11 +162,16 @@ class Recompute:
                     if sel is not None:
                         sel.release()  # from here on counted as what the recompute brings back
                     owner.recomputing(step, stat)
+                    marks = stat.marks  # the device's (NOTE [Device clock]), else None
+                    if marks is not None:
+                        marks.recompute_edge()
                     t0 = step.clock()
                     try:
                         return inner(*a, **kw)
                     finally:  # checkpoint may stop it early, by raising: timed all the same
                         stat.recompute_seconds += step.clock() - t0
+                        if marks is not None:
+                            marks.recompute_edge()
                 if sel is not None:
                     out = owner._counted(inner, step, stat, a, kw, sel)
                     sel.settle()

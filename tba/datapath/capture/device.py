@@ -174,6 +174,53 @@ class CpuAdapter:
         dst.copy_(src)
 
 
+class DeviceClock:
+    """A step's timeline on a CUDA device (NOTE [Device clock] in tba/host/clock.py): a mark
+    is a timing event recorded on the current stream, taken from a pool that passed marks go
+    back to. ``cuda`` is ``torch.cuda`` or a fake with the same few names."""
+
+    def __init__(self, device: torch.device, cuda: Any = None):
+        self.cuda = torch.cuda if cuda is None else cuda
+        self.device = device
+        self._spare: list[Any] = []
+        self.made = 0  # events made: a steady run stops making them
+
+    def mark(self, again: Any = None) -> Any:
+        ev = again
+        if ev is None:
+            try:
+                ev = self._spare.pop()  # atomic: backward's device thread marks too
+            except IndexError:
+                ev = self.cuda.Event(enable_timing=True)
+                self.made += 1
+        ev.record(self.cuda.current_stream(self.device))
+        return ev
+
+    def passed(self, marks: Any) -> bool:
+        return all(ev.query() for ev in marks)
+
+    def wait(self, marks: Any) -> None:
+        for ev in marks:
+            ev.synchronize()  # close only: no step runs
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1000.0  # milliseconds
+
+    def release(self, marks: Any) -> None:
+        self._spare.extend(marks)
+
+
+# NOTE [Copy timing]
+# The copies to and from the device are timed by the device too: an event is recorded on the
+# side stream just before each copy and its completion event after it (both timing events), and
+# the copy's seconds are read once the completion event is known to have fired: when its ticket
+# sees it (``query`` true, or the capture thread's wait returned) or when ``_prune`` finds an
+# upload done. No wait is added. Each reading goes to ``copies`` ((to_host, bytes, seconds)),
+# which the Offloader drains between steps: the copy bandwidth bounds the tier's, since a
+# transfer is a copy and then a disk's write (or a read and then a copy), pipelined. The
+# start events are pooled as the copy events are (NOTE [Capture events]).
+
+
 # NOTE [Capture events]
 # A CUDA capture needs two events (NOTE [CUDA ordering] rules 1 and 3); making two per saved
 # tensor cost the packing thread their creation and, later, the GC their objects. They are
@@ -185,12 +232,23 @@ class CpuAdapter:
 # after that, and nothing else holds it (an Upload's event and the direct-mode read and copy
 # events are made for their one use, as before).
 class _CudaTicket(Ticket):
-    __slots__ = ("event", "source", "spare")
+    __slots__ = ("event", "source", "spare", "began", "adapter", "nbytes")
 
-    def __init__(self, event: Any, source: torch.Tensor, spare: list[Any]):
+    def __init__(
+        self,
+        event: Any,
+        source: torch.Tensor,
+        spare: list[Any],
+        began: Any = None,
+        adapter: CudaAdapter | None = None,
+        nbytes: int = 0,
+    ):
         self.event = event
         self.source = source  # NOTE [CUDA ordering] rule 2: keeps the source's memory alive
         self.spare = spare  # the adapter's free copy events: this one goes back there once fired
+        self.began = began  # recorded before the copy (NOTE [Copy timing])
+        self.adapter = adapter
+        self.nbytes = nbytes
 
     def done(self) -> bool:
         if self.source is None:
@@ -209,6 +267,10 @@ class _CudaTicket(Ticket):
         """The copy completed: the source may go, and the event serves a later capture (the
         ticket never looks at it again: ``source`` is None from now on)."""
         self.source = None
+        a, began = self.adapter, self.began
+        if a is not None and began is not None:  # NOTE [Copy timing]: both have fired
+            a.copied(True, self.nbytes, began, self.event)
+            a._began.append(began)
         self.spare.append(self.event)  # list.append: atomic, from whichever thread waited
 
 
@@ -241,12 +303,16 @@ class CudaAdapter:
         self.side = self.cuda.Stream(device=device)
         self._copy = copy or (lambda dst, src: dst.copy_(src, non_blocking=True))
         self._record_stream = record_stream or (lambda t, stream: t.record_stream(stream))
-        self._inflight: list[tuple[Any, torch.Tensor]] = []  # (event, pinned source) of H2D
+        # (event, pinned source, start event) of H2D copies in flight
+        self._inflight: list[tuple[Any, torch.Tensor, Any]] = []
         self._lock = threading.Lock()
         # NOTE [Capture events]: the producer event rule 1 records at every capture, and the
         # blocking copy events whose captures have completed, ready for the next ones
         self._produced: Any = None
         self._spare: list[Any] = []
+        self._began: list[Any] = []  # free start events of copies (NOTE [Copy timing])
+        self.copies: list[tuple[bool, int, float]] = []  # (to host, bytes, device seconds)
+        self.clock = DeviceClock(device, self.cuda)  # a step's timeline on this device
 
     def staging_arena(self, nbytes: int, align: int) -> torch.Tensor:
         if self.direct:
@@ -274,22 +340,48 @@ class CudaAdapter:
         self.side.wait_event(produced)
         spare = self._spare
         with self.cuda.stream(self.side):
+            began = self._start_event()
             self._copy(dst, src)  # D2H into pinned staging, or D2D in direct mode (rule 5)
-            # a host thread waits on it (rule 3), hence blocking
-            copied = spare.pop() if spare else self.cuda.Event(blocking=True)
+            # a host thread waits on it (rule 3), hence blocking; timed (NOTE [Copy timing])
+            copied = spare.pop() if spare else self.cuda.Event(blocking=True, enable_timing=True)
             copied.record(self.side)
-        return _CudaTicket(copied, src, spare)
+        return _CudaTicket(copied, src, spare, began, self, dst.numel() * dst.element_size())
+
+    def _start_event(self) -> Any:
+        """A timing event recorded on the side stream now, before a copy (NOTE [Copy
+        timing])."""
+        try:
+            began = self._began.pop()
+        except IndexError:
+            began = self.cuda.Event(enable_timing=True)
+        began.record(self.side)
+        return began
+
+    def copied(self, to_host: bool, nbytes: int, began: Any, done: Any) -> None:
+        """A copy of ``nbytes`` ran from ``began`` to ``done``, both fired (NOTE [Copy
+        timing])."""
+        seconds = float(began.elapsed_time(done)) / 1000.0
+        with self._lock:
+            self.copies.append((to_host, nbytes, seconds))
+
+    def take_copies(self) -> list[tuple[bool, int, float]]:
+        """The copies timed since the last call."""
+        with self._lock:
+            got, self.copies = self.copies, []
+        return got
 
     def upload(self, host: torch.Tensor, device: torch.device) -> Upload:
         """Start the H2D copy of ``host`` on the side stream (rule 4); any thread."""
         with self.cuda.stream(self.side):
             out = torch.empty(host.shape, dtype=host.dtype, device=device)  # under the side
+            began = self._start_event()
             self._copy(out, host)
-            copied = self.cuda.Event()
+            copied = self.cuda.Event(enable_timing=True)
             copied.record(self.side)
         self._prune()
         with self._lock:
-            self._inflight.append((copied, host))  # rule 4: pinned source outlives the copy
+            # rule 4: pinned source outlives the copy; timed once done (NOTE [Copy timing])
+            self._inflight.append((copied, host, began))
         return Upload(out, copied)
 
     def hand_out(self, got: Any) -> torch.Tensor:
@@ -329,8 +421,17 @@ class CudaAdapter:
     def _prune(self) -> None:
         """Drop the pinned sources whose H2D copies have completed."""
         with self._lock:
-            if self._inflight:
-                self._inflight = [(e, h) for e, h in self._inflight if not e.query()]
+            if not self._inflight:
+                return
+            left = []
+            for e, h, began in self._inflight:
+                if not e.query():
+                    left.append((e, h, began))
+                    continue
+                seconds = float(began.elapsed_time(e)) / 1000.0  # NOTE [Copy timing]
+                self.copies.append((False, h.numel() * h.element_size(), seconds))
+                self._began.append(began)
+            self._inflight = left
 
 
 def adapter_for(device: torch.device, direct: bool = False) -> DeviceAdapter:
