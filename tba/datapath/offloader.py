@@ -502,6 +502,8 @@ class Offloader:
 def cuda_present() -> bool:
     """Whether this process can use CUDA (NOTE [Host tier] 1); tests with a fake CUDA patch it."""
     return torch.cuda.is_available()
+
+
 def _device_of(model: nn.Module | None) -> torch.device | None:
     """Where ``model`` computes: its first parameter's (or buffer's) device; None: unknown."""
     if model is None:
