@@ -4,7 +4,10 @@
 - DeepSpeed: ``tba.integrations.deepspeed.initialize(...)`` in place of ``deepspeed.initialize``
 - Megatron: ``extra_args_provider=add_args`` and ``wrap_forward_step(forward_step)``
   (``tba.integrations.megatron``)
-- Hugging Face ``Trainer``: ``callbacks=[tba.integrations.hf.OffloadCallback()]``
+- Hugging Face ``Trainer`` (TRL's ``SFTTrainer`` too):
+  ``callbacks=[tba.integrations.hf.OffloadCallback()]``
+- Lightning: ``Trainer(callbacks=[tba.integrations.lightning.OffloadCallback()])``
+- Accelerate: ``tba.integrations.wrap(model)`` on what ``accelerator.prepare`` returns
 
 Each submodule imports its framework; this package and the tba core import none of them.
 Everything else comes from the ``TBA_*`` environment, and ``TBA_ENABLED=0`` switches each one

@@ -22,6 +22,7 @@ Settings come from the ``TBA_*`` environment (or pass a :class:`tba.Offloader` /
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import TrainerCallback
@@ -31,6 +32,8 @@ from ..datapath.offloader import Offloader
 from ._common import unwrap_forward, wrap_forward
 
 __all__ = ["OffloadCallback"]
+
+log = logging.getLogger("tba.integrations.hf")
 
 
 class OffloadCallback(TrainerCallback):
@@ -47,9 +50,10 @@ class OffloadCallback(TrainerCallback):
         self.offloader: Offloader | None = offloader
         self.last_stats: dict[str, Any] | None = None
         self._model: Any = None
+        self._told = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
-        self.offloader, self.last_stats = self._given, None
+        self.offloader, self.last_stats, self._told = self._given, None, False
         if model is None:
             return
         if self._given is None:
@@ -64,6 +68,22 @@ class OffloadCallback(TrainerCallback):
             return
         self._model = model
         wrap_forward(model, self.offloader)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        if self._told or self._model is None or self.offloader is None:
+            return
+        self._told = True  # once, after the first optimizer step: what the blocks ran as
+        st = self.offloader.stats()
+        user = st.get("user_checkpointed_groups", 0)
+        if user:
+            log.info(
+                "tba.integrations.hf: %d of %d blocks run under the model's own gradient "
+                "checkpointing; tba leaves them to it (no second recompute) and offloads what "
+                "their checkpoints save, their inputs, and what runs outside them. Stats: "
+                "user_checkpointed_groups, group_policy.",
+                user,
+                len(st.get("group_policy", [])),
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
         if self._model is not None:

@@ -90,6 +90,17 @@ def test_hf_trainer(tmp_path):
     run([sys.executable, example("hf_trainer.py"), "--steps", "2", "--batch", "2", *TINY], tmp_path)
 
 
+def test_accelerate_loop(tmp_path):
+    argv = [sys.executable, example("accelerate_loop.py"), "--steps", "2", "--batch", "2", *TINY]
+    (s,) = run(argv, tmp_path)
+    assert s["steps"] == 2  # one tba step per forward
+
+
+def test_trl_sft_lora(tmp_path):
+    argv = [sys.executable, example("trl_sft_lora.py"), "--steps", "1", "--batch", "2"]
+    run([*argv, "--hidden", "32", "--layers", "2"], tmp_path)
+
+
 def test_torchrun(tmp_path):
     argv = [example("torchrun.sh"), "--steps", "2", "--batch", "2", *TINY]
     out = run(argv, tmp_path, env={"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
