@@ -36,6 +36,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _torch_global_modes():
+    """Give every test torch's global modes as it found them: a framework that turns on
+    deterministic algorithms (Lightning's ``deterministic=True``) would otherwise leave torch
+    filling every new tensor for the rest of the run, and a forked child hangs in that fill."""
+    det = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    yield
+    if torch.are_deterministic_algorithms_enabled() != det:
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def spill_dir(tmp_path):
     return str(tmp_path / "spill")

@@ -846,11 +846,12 @@ def test_a_forked_child_cannot_touch_the_parents_engine(native):
     ext = native.allocate(64 * KIB)
     data = filled(ext.length)
     native.write(ext, data).result()
+    again = filled(ext.length)  # made here: a forked child must run no torch op (OpenMP)
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only, never return into pytest
         code = 1
         try:
-            fut = native.write(ext, filled(ext.length))
+            fut = native.write(ext, again)
             e = fut.exception(timeout=10)
             if isinstance(e, StorageError) and e.errno == errno.ECHILD:
                 native._engine.close()  # drops the child's mappings and fds, waits for nothing
