@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -79,7 +80,11 @@ def test_a_shutdown_while_writes_are_in_flight(loop_ext4, offloaders, backend):
     off = offloaders(fs.root, backend=backend, max_write_bps="4MB/s", coalesce_bytes=0)
     with off.step(model):
         loss = loss_of(model, make_batch(1))  # the input dies too: every saved tensor is
-        fs.shutdown()  # only in tba's hands
+        # only in tba's hands; the first write lands before the shutdown, whatever the load
+        deadline = time.monotonic() + 60
+        while off.backend.usage()["bytes_written"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fs.shutdown()
     off.synchronize()
     st = off.stats()
     assert st["tensors_offloaded"] >= 1 and st["kept_reasons"].get("io_error", 0) >= 1, st
