@@ -340,6 +340,24 @@ _BUDGET_EXPECTED = (
 )
 
 
+def _share(value: Any, is_share: bool, expected: str) -> float | None:
+    """A fraction in (0, 1]: ``value`` itself when ``is_share`` (a float the caller reads as
+    one), or a string with a point or a percent sign ('0.5', '50%'); None: not a fraction."""
+    if isinstance(value, str) and ("." in value or value.strip().endswith("%")):
+        text = value.strip()
+        try:
+            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ValueParseError(value, expected) from None
+    elif is_share:
+        share = float(value)
+    else:
+        return None
+    if not 0 < share <= 1:
+        raise ValueParseError(value, expected)
+    return share
+
+
 def parse_budget(value: Any) -> int | float | None:
     """TBA_MEMORY_BUDGET: ``None`` (no budget), a fraction (a float in (0, 1]) of the step's
     saved bytes, or bytes (an int of at least 1 MiB). A number with a point or a percent sign
@@ -349,19 +367,9 @@ def parse_budget(value: Any) -> int | float | None:
         return None
     if isinstance(value, bool):
         raise ValueParseError(value, _BUDGET_EXPECTED)
-    share: float | None = None
-    if isinstance(value, float):
-        share = value
-    elif isinstance(value, str) and ("." in value or value.strip().endswith("%")):
-        text = value.strip()
-        try:
-            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-        except ValueError:
-            raise ValueParseError(value, _BUDGET_EXPECTED) from None
+    share = _share(value, isinstance(value, float), _BUDGET_EXPECTED)
     if share is not None:
-        if not 0 < share <= 1:
-            raise ValueParseError(value, _BUDGET_EXPECTED)
-        return float(share)
+        return share
     try:
         n = parse_size(value)
     except ValueParseError:
@@ -385,19 +393,10 @@ def parse_host_bytes(value: Any) -> int | float:
         return 0
     if isinstance(value, bool):
         raise ValueParseError(value, _HOST_EXPECTED)
-    share: float | None = None
-    if isinstance(value, float) and (0 < value <= 1 or not value.is_integer()):
-        share = value
-    elif isinstance(value, str) and ("." in value or value.strip().endswith("%")):
-        text = value.strip()
-        try:
-            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-        except ValueError:
-            raise ValueParseError(value, _HOST_EXPECTED) from None
+    is_share = isinstance(value, float) and (0 < value <= 1 or not value.is_integer())
+    share = _share(value, is_share, _HOST_EXPECTED)
     if share is not None:
-        if not 0 < share <= 1:
-            raise ValueParseError(value, _HOST_EXPECTED)
-        return float(share)
+        return share
     try:
         return parse_size(value)
     except ValueParseError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
+import torch
 import torch.distributed as dist
 
 from tba.config import RECOMPUTED
@@ -132,3 +133,19 @@ def policy_problems(st: dict, policy: str, blocks: int) -> list[str]:
     if st["disk_bytes_in_use"] != 0:
         bad.append(f"{st['disk_bytes_in_use']} bytes still on disk after training")
     return bad
+
+
+def bf16_step(model, ids, off=None):
+    """One forward and backward of an HF causal LM under CPU bf16 autocast, inside ``off``'s
+    step when given (its writes waited for); the loss and the trainable parameters' gradients."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if off is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            with off.step(model):
+                loss = model(input_ids=ids, labels=ids).loss
+            off.synchronize()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads

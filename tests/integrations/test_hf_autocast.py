@@ -12,6 +12,7 @@ from torch import nn
 import tba
 
 from .._scan import WriteScanner
+from ._frameworks import bf16_step
 
 tf = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration]
@@ -43,30 +44,17 @@ def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def run(model, ids, off=None):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        if off is None:
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            with off.step(model):
-                loss = model(input_ids=ids, labels=ids).loss
-            off.synchronize()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_weight_casts_of_hf_models_are_recomputed_and_gradients_bit_identical(tmp_path, family):
     model = build(family)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     weights = matmul_weights(model)
     casts = [w.detach().to(torch.bfloat16) for w in weights]
-    loss0, grads0 = run(model, ids)
+    loss0, grads0 = bf16_step(model, ids)
     cfg = tba.Config(spill_dir=str(tmp_path), min_offload_bytes=1, keep_last=0, environ={})
     with tba.Offloader(cfg) as off:
         scan = WriteScanner(off, casts)
-        loss, grads = run(model, ids, off)
+        loss, grads = bf16_step(model, ids, off)
         st = off.stats()
     assert torch.equal(loss, loss0)
     assert grads.keys() == grads0.keys() and all(torch.equal(grads[k], grads0[k]) for k in grads)

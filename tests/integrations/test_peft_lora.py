@@ -13,6 +13,7 @@ import tba
 from tba.datapath.capture.derived import FrozenCasts
 
 from .._scan import WriteScanner
+from ._frameworks import bf16_step
 
 tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -31,20 +32,6 @@ def lora_llama() -> nn.Module:
     model = tf.LlamaForCausalLM(cfg)
     lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     return peft.get_peft_model(model, lora).train()
-
-
-def run(model, ids, off=None):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=BF16):
-        if off is None:
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            with off.step(model):
-                loss = model(input_ids=ids, labels=ids).loss
-            off.synchronize()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads
 
 
 def frozen_casts_saved(model, ids) -> list[torch.Tensor]:
@@ -81,7 +68,7 @@ def test_lora_frozen_weight_casts_are_not_written_and_lora_grads_bit_identical(
     # o_proj, gate, up, down of layer 0 (its q, k, v see no grad-requiring input), all seven
     # projections of layers 1 to 3, and lm_head: 154.5 MiB of bf16 copies per step
     assert len(casts) == 4 + 3 * 7 + 1 and cast_bytes == 162_004_992
-    loss0, grads0 = run(model, ids)
+    loss0, grads0 = bf16_step(model, ids)
     assert len(grads0) == 4 * 2 * 2  # lora_A and lora_B of q_proj and v_proj in 4 layers
     runs = {}
     for rule in (False, True):
@@ -92,7 +79,7 @@ def test_lora_frozen_weight_casts_are_not_written_and_lora_grads_bit_identical(
             cfg = tba.Config(spill_dir=str(tmp_path / str(rule)), keep_last=0, environ={})
             with tba.Offloader(cfg) as off:
                 scan = WriteScanner(off, casts)
-                loss, grads = run(model, ids, off)
+                loss, grads = bf16_step(model, ids, off)
                 runs[rule] = scan, off.stats()
         assert torch.equal(loss, loss0)
         assert grads.keys() == grads0.keys()
