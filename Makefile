@@ -3,7 +3,10 @@
 # make lint: ruff, ruff format, the layers contract and mypy (.pre-commit-config.yaml: the same).
 # make test: lint, then the whole test suite, then the GPU check's dry run (< 1 min, no GPU).
 # make gpu-check: on a GPU machine whose python has torch with CUDA (no venv, no network):
-#   benchmarks/gpu/check.sh, 20 minutes at most; results in gpu-check-out/.
+#   benchmarks/gpu/check.sh, BUDGET_S seconds at most (default 540); results in gpu-check-out/.
+# make gpu-wheels: fetch the kvikio and torchtune wheels the GPU check installs into gpu-wheels/
+#   (benchmarks/gpu/carry.sh; needs the package registry); benchmarks/gpu/run_check.sh runs
+#   the check with them and packs its results.
 # Both create .venv when it is missing and install the pinned CPU build of torch first
 # (a plain `pip install torch` could pull a multi-GB CUDA build).
 
@@ -13,7 +16,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean gpu-check
+.PHONY: demo test lint bench clean gpu-check gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +56,9 @@ test: lint
 # Uses the machine's python (PYTHON, default python3) as it is: it must have torch with CUDA.
 gpu-check:
 	PYTHON=$(PYTHON) benchmarks/gpu/check.sh
+
+gpu-wheels:
+	PYTHON=$(PYTHON) benchmarks/gpu/carry.sh
 
 bench: $(VENV)/.base
 	$(PY) benchmarks/bench_engine.py

@@ -128,7 +128,7 @@ def test_the_summary_has_the_relay_benchmark(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "42"])
     assert summarize.main() == 0
     text = (tmp_path / "summary.txt").read_text()
-    assert "relay_bench     ok" in text
+    assert "relay_bench       ok" in text
     assert "bench_relay_gpu:\n  NVIDIA H200, torch 2.11.0+cu130 (CUDA 13.0), 16 CPU threads" in text
     assert "  recompute" in text and "1.60" in text and "250.0" in text
     assert "relay, ssd stash: 4: 200.0, 16: 202.0 (max/min - 1 = 1.0%)" in text
@@ -146,14 +146,52 @@ def test_the_summary_has_the_overhead_tables(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "90"])
     assert summarize.main() == 0
     text = (tmp_path / "summary.txt").read_text()
-    assert "overhead        ok" in text
+    assert "overhead          ok" in text
     assert "bench_overhead:\n  launch: 16 blocks\n  mode  step ms  vs none\n  none  10.00" in text
     assert "  keep  11.00  1.100" in text
     assert json.loads((tmp_path / "check.json").read_text())["overhead"] == table
 
 
-def _check(tmp_path, python, *args):
-    env = {**os.environ, "PYTHON": str(python), "OUT_DIR": str(tmp_path / "out")}
+def test_a_step_with_no_time_left_is_listed_as_not_run(tmp_path, monkeypatch):
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "bench", "rc": 0, "seconds": 80, "timed_out": false}\n'
+        '{"step": "cpu_suite", "rc": 0, "seconds": 0, "timed_out": false, "skipped": true}\n'
+    )
+    monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path), "0", "530"])
+    assert summarize.main() == 0  # what did run passed
+    text = (tmp_path / "summary.txt").read_text()
+    assert "  bench             ok" in text and "  cpu_suite         not run" in text
+    assert "too little of BUDGET_S was left to start the step" in text
+
+
+def test_the_budget_bounds_every_step(tmp_path):
+    """With less budget than a step needs, no step starts (none runs unbounded, as `timeout 0`
+    would) and the check still writes its summary."""
+    env_budget = {"BUDGET_S": "12"}
+    got = _check(tmp_path, sys.executable, "--dry", env=env_budget)
+    assert got.returncode == 0, got.stdout + got.stderr
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    steps = [ln.split() for ln in text.splitlines()[1:] if ln.startswith("  ") and " s" in ln]
+    assert steps and all(s[1:3] == ["not", "run"] for s in steps[:-1]), text
+    assert not (tmp_path / "out" / "gpu_tests.txt").exists()
+
+
+def test_the_gpu_steps_run_most_telling_first():
+    """The order a short budget relies on: the GPU tests, the main table and the overhead
+    table before the kvikio steps, the long sequence, the relay and the CPU suite."""
+    import re
+
+    text = (ROOT / "benchmarks" / "gpu" / "check.sh").read_text()
+    gpu_part = text[text.index("    run install ") :]
+    order = re.findall(r"^\s+run (\w+) ", gpu_part, re.M)
+    assert order[:4] == ["install", "kvikio_install", "torchtune_install", "gpu_tests"]
+    assert order[4:7] == ["bench", "overhead", "kvikio_mode"]
+    assert order[-1] == "cpu_suite"
+    assert re.search(r"BUDGET_S=\$\{BUDGET_S:-(\d+)\}", text)[1] == "540"
+
+
+def _check(tmp_path, python, *args, env=None):
+    env = {**os.environ, "PYTHON": str(python), "OUT_DIR": str(tmp_path / "out"), **(env or {})}
     return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), *args],
         capture_output=True,

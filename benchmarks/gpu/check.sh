@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md, "The GPU check"): one command for a bare GPU machine with no network
-# whose python already has torch with CUDA. In order, each step timed and logged:
+# whose python already has torch with CUDA. In order, each step timed and logged, the most
+# telling first so that a short budget still yields them:
 #   1. install tba from this checkout without fetching anything (builds the native engine);
-#      kvikio wheels carried in $KVIKIO_WHEELS (a directory) are installed the same way;
+#      kvikio and torchtune wheels carried in $KVIKIO_WHEELS and $TORCHTUNE_WHEELS (directories,
+#      benchmarks/gpu/carry.sh fills them) are installed the same way;
 #   2. pytest -m gpu: every CUDA and kvikio test (kvikio's skip when it does not import);
-#      then the kvikio backend: which mode it runs in (GDS or compat), its tests (the fake's,
-#      the gpu one, and tests/storage/test_kvikio_real.py) and, when kvikio imports, the GPU
-#      benchmark's tba mode on TBA_BACKEND=kvikio (240 s at most);
 #   3. the GPU benchmark (benchmarks/gpu/bench_gpu.py: ~1B Llama-shaped, bf16, tba's modes
-#      against no tba, checkpointing, save_on_cpu and torchtune), at seq 4096 and again at
-#      16384 with fewer steps (bench_long); torchtune wheels carried in $TORCHTUNE_WHEELS (a
-#      directory) are installed first, as kvikio's are;
-#   4. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
-#      plain gradient accumulation, W1's blocks; 120 s at most);
-#   5. the overhead benchmark (benchmarks/bench_overhead.py --device cuda: tba's modes against no
-#      tba and checkpointing on the launch-bound model and W1; 150 s at most);
-#   6. tba doctor --json;
-#   7. the CPU suite on this machine's torch (not the integrations: their frameworks are not
-#      installed here), with the time left of the 20 minutes, in parallel when pytest-xdist
-#      is installed.
+#      against no tba, checkpointing, save_on_cpu and torchtune) at seq 4096;
+#   4. the overhead benchmark (benchmarks/bench_overhead.py --device cuda: tba's modes against no
+#      tba and checkpointing on the launch-bound model and W1);
+#   5. the kvikio backend: which mode it runs in (GDS or compat), its tests (the fake's, the gpu
+#      one, tests/storage/test_kvikio_real.py) and, when kvikio imports, the GPU benchmark's
+#      none and tba modes on TBA_BACKEND=kvikio;
+#   6. the GPU benchmark again at 16384 with fewer steps (bench_long), where the disk matters;
+#   7. the relay benchmark (benchmarks/gpu/bench_relay_gpu.py: tba.relay on the device against
+#      plain gradient accumulation, W1's blocks);
+#   8. tba doctor --json;
+#   9. the CPU suite on this machine's torch (not the integrations: their frameworks are not
+#      installed here) with the time left, in parallel when pytest-xdist is installed.
+# Each step has a cap of its own (below) and never outlasts the budget; a step with under
+# MIN_STEP_S left is recorded as skipped.
 # Writes $OUT_DIR/check.json (every step's status, seconds and result) and
 # $OUT_DIR/summary.txt. Exit status: 0 when every step that ran passed.
 #
@@ -27,7 +29,8 @@
 #                                      # why each skips, runs the benchmarks on tiny models,
 #                                      # says whether kvikio imports
 # Environment: PYTHON (default python3), OUT_DIR (default gpu-check-out), TBA_SPILL_DIR (the
-# spill dir for tests and benchmark; default: a temporary dir), BUDGET_S (default 1200).
+# spill dir for tests and benchmark; default: a temporary dir), BUDGET_S (default 540: one
+# 10-minute device call with room for the transfers; the CPU suite takes what is left).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -56,7 +59,7 @@ preflight() {
 preflight
 
 OUT_DIR=${OUT_DIR:-gpu-check-out}
-BUDGET_S=${BUDGET_S:-1200}
+BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 LOG="$OUT_DIR/log.txt"
@@ -71,12 +74,25 @@ if [ -z "${TBA_SPILL_DIR:-}" ]; then
 fi
 export TBA_SPILL_DIR
 
-# run NAME TIMEOUT CMD...: runs CMD (output to the log and to NAME.txt), records the result
+# run NAME CAP CMD...: runs CMD within CAP seconds or what the budget has left, whichever is
+# less (output to the log and to NAME.txt), and records the result. With under MIN_STEP_S
+# left the step is not started: it is recorded as skipped, which the summary lists apart
+# (`timeout 0` would mean no limit at all).
+MIN_STEP_S=20
+RESERVE_S=10  # for summarize.py at the end
 run() {
-    local name=$1 limit=$2
+    local name=$1 cap=$2
     shift 2
-    local t0=$SECONDS rc
-    echo "== $name: $*" | tee -a "$LOG"
+    local t0=$SECONDS rc limit
+    limit=$(( $(left) - RESERVE_S ))
+    [ "$limit" -gt "$cap" ] && limit=$cap
+    if [ "$limit" -lt "$MIN_STEP_S" ]; then
+        echo "== $name: not run: $(left) s of the ${BUDGET_S} s budget left" | tee -a "$LOG"
+        printf '{"step": "%s", "rc": 0, "seconds": 0, "timed_out": false, "skipped": true}\n' \
+            "$name" >>"$STEPS"
+        return 0
+    fi
+    echo "== $name (at most $limit s): $*" | tee -a "$LOG"
     timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT_DIR/$name.txt" 2>&1
     rc=$?
     tail -n 40 "$OUT_DIR/$name.txt" | tee -a "$LOG"
@@ -125,7 +141,7 @@ if [ $DRY -eq 1 ]; then
     run doctor 60 "$PY" -m tba.cli doctor --json --probe-bytes 16MiB
     run kvikio_mode 60 "$PY" -c "$KVIKIO_MODE" 1
 else
-    run install 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+    run install 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
     if ! (cd /tmp && "$PY" -c "import tba, os, sys; sys.exit(tba.__file__.startswith('$PWD/') is False)"); then
         # pip could not install here (a read-only environment, no setuptools): use the tree
         # as it is; without a built engine `auto` picks posix (tba doctor says why)
@@ -133,36 +149,33 @@ else
         export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     fi
     if [ -n "${KVIKIO_WHEELS:-}" ]; then
-        run kvikio_install 120 "$PY" -m pip install --no-deps --no-index "$KVIKIO_WHEELS"/*.whl
+        run kvikio_install 60 "$PY" -m pip install --no-deps --no-index "$KVIKIO_WHEELS"/*.whl
+    fi
+    if [ -n "${TORCHTUNE_WHEELS:-}" ]; then  # torchtune and what its import needs (docs/gpu.md)
+        run torchtune_install 60 "$PY" -m pip install --no-deps --no-index "$TORCHTUNE_WHEELS"/*.whl
     fi
     if ! "$PY" -c "import pytest" 2>/dev/null; then
         echo "== pytest does not import: carry its wheels (docs/gpu.md, Carrying wheels)" | tee -a "$LOG"
         printf '{"step": "pytest_missing", "rc": 1, "seconds": 0, "timed_out": false}\n' >>"$STEPS"
     fi
-    run gpu_tests "$(( $(left) > 400 ? 400 : $(left) ))" "$PY" -m pytest -m gpu -rs -q \
-        -p no:cacheprovider tests
-    run kvikio_mode 60 "$PY" -c "$KVIKIO_MODE" 0
-    run kvikio_tests "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" -m pytest -rs -q \
-        -p no:cacheprovider tests/storage/test_kvikio.py tests/storage/test_kvikio_real.py
+    # Most telling first, so that a short budget (BUDGET_S=540 fits one 10-minute device call
+    # with its start) still yields the GPU tests, the main table and the overhead table; the
+    # caps are what each step took on an H200 with room to spare (docs/gpu.md).
+    run gpu_tests 150 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
+    run bench 180 "$PY" benchmarks/gpu/bench_gpu.py --json "$OUT_DIR/bench.json"
+    run overhead 90 "$PY" benchmarks/bench_overhead.py --device cuda --models launch,w1 --rounds 6
+    run kvikio_mode 30 "$PY" -c "$KVIKIO_MODE" 0
+    run kvikio_tests 60 "$PY" -m pytest -rs -q -p no:cacheprovider tests/storage/test_kvikio.py \
+        tests/storage/test_kvikio_real.py
     if kvikio_imports; then
-        run kvikio_bench "$(( $(left) > 240 ? 240 : $(left) ))" env TBA_BACKEND=kvikio "$PY" \
-            benchmarks/gpu/bench_gpu.py --modes none,tba --warmup 1 --steps 3 \
-            --json "$OUT_DIR/kvikio_bench.json"
+        run kvikio_bench 90 env TBA_BACKEND=kvikio "$PY" benchmarks/gpu/bench_gpu.py \
+            --modes none,tba --warmup 1 --steps 3 --json "$OUT_DIR/kvikio_bench.json"
     fi
-    if [ -n "${TORCHTUNE_WHEELS:-}" ]; then  # torchtune and what its import needs (docs/gpu.md)
-        run torchtune_install 120 "$PY" -m pip install --no-deps --no-index "$TORCHTUNE_WHEELS"/*.whl
-    fi
-    # planned for ~3 min on an H200, capped at the 420 s the one run had: seq 4096 in full,
-    # 16384 with fewer steps (where the disk matters)
-    run bench "$(( $(left) > 180 ? 180 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
-        --json "$OUT_DIR/bench.json"
-    run bench_long "$(( $(left) > 240 ? 240 : $(left) ))" "$PY" benchmarks/gpu/bench_gpu.py \
-        --seq 16384 --warmup 2 --steps 3 --json "$OUT_DIR/bench_long.json"
-    run relay_bench "$(( $(left) > 120 ? 120 : $(left) ))" "$PY" benchmarks/gpu/bench_relay_gpu.py \
-        --json "$OUT_DIR/relay_bench.json"
-    run overhead "$(( $(left) > 150 ? 150 : $(left) ))" "$PY" benchmarks/bench_overhead.py \
-        --device cuda --models launch,w1 --rounds 10
-    run doctor 90 "$PY" -m tba.cli doctor --json
+    # 16384 with fewer steps: where the disk matters
+    run bench_long 150 "$PY" benchmarks/gpu/bench_gpu.py --seq 16384 --warmup 2 --steps 3 \
+        --json "$OUT_DIR/bench_long.json"
+    run relay_bench 60 "$PY" benchmarks/gpu/bench_relay_gpu.py --json "$OUT_DIR/relay_bench.json"
+    run doctor 30 "$PY" -m tba.cli doctor --json
     # The whole CPU suite, one line per test (-v: a suite cut short by the time limit still
     # names what failed so far) and failures again at the end (-rfE); spread over
     # pytest-xdist's workers when the image has it (the GPU image does). --dist load, not
@@ -174,9 +187,8 @@ else
         n=$(( $(nproc) * 3 / 4 )); [ $n -gt 12 ] && n=12
         [ $n -ge 2 ] && XDIST=(-n "$n" --dist load -p no:benchmark)
     fi
-    run cpu_suite "$(( $(left) > 60 ? $(left) - 30 : 30 ))" "$PY" -m pytest -v -rfE \
-        -p no:cacheprovider "${XDIST[@]}" -m "not gpu and not integration" \
-        --ignore=tests/integrations --ignore=tests/faults tests
+    run cpu_suite "$BUDGET_S" "$PY" -m pytest -v -rfE -p no:cacheprovider "${XDIST[@]}" \
+        -m "not gpu and not integration" --ignore=tests/integrations --ignore=tests/faults tests
 fi
 "$PY" benchmarks/gpu/summarize.py "$OUT_DIR" "$DRY" "$((SECONDS - START))"
 rc=$?

@@ -83,7 +83,7 @@ def main() -> int:
         path = os.path.join(out_dir, f"{name}.txt")
         if os.path.exists(path):
             report[name] = pytest_result(read(path))
-    for key in ("bench", "bench_long", "relay_bench"):
+    for key in ("bench", "bench_long", "kvikio_bench", "relay_bench"):
         path = os.path.join(out_dir, f"{key}.json")
         if os.path.exists(path):
             report[key] = json.loads(read(path))
@@ -105,8 +105,15 @@ def main() -> int:
         f"{'PASS' if ok else 'FAIL'} in {seconds} s",
     ]
     for s in steps:
-        state = "ok" if s["rc"] == 0 else ("TIMED OUT" if s["timed_out"] else f"rc={s['rc']}")
-        lines.append(f"  {s['step']:<15} {state:<10} {s['seconds']:>5} s")
+        if s.get("skipped"):
+            state = "not run"
+        elif s["rc"] == 0:
+            state = "ok"
+        else:
+            state = "TIMED OUT" if s["timed_out"] else f"rc={s['rc']}"
+        lines.append(f"  {s['step']:<17} {state:<10} {s['seconds']:>5} s")
+    if any(s.get("skipped") for s in steps):
+        lines.append("  (not run: too little of BUDGET_S was left to start the step)")
     for name in ("gpu_tests", "cpu_suite"):
         r = report.get(name)
         if r is None:
@@ -126,6 +133,13 @@ def main() -> int:
                 *("  " + ln for ln in summary(out, targets=False).splitlines()),
             ]
         lines += targets_table(benches)
+    if "kvikio_bench" in report:
+        from bench_gpu import summary
+
+        lines += [
+            "bench_gpu on TBA_BACKEND=kvikio:",
+            *("  " + ln for ln in summary(report["kvikio_bench"], targets=False).splitlines()),
+        ]
     if "relay_bench" in report:
         from bench_relay_gpu import summary as relay_summary
 
