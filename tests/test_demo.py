@@ -1,4 +1,4 @@
-"""`make demo` (examples/train_gpt.py) at a tiny size: the table's three rows, loss parity, the
+"""`make demo` (examples/train_gpt.py) at a tiny size: the table's four rows, loss parity, the
 plot, and the hint when matplotlib is missing. Step times are printed, never judged here."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ("no offload", "checkpointing", "tba (your TBA_*)")  # the fixture sets two
+ROWS = ("no offload", "checkpointing", "tba (your TBA_*)", "tba (budget 0.25)")  # fixture: two
 
 
 @pytest.fixture
@@ -40,14 +40,16 @@ def run_demo(demo, tmp_path, capsys) -> str:
     assert out.startswith("machine: ")
     rows = {}
     for label in ROWS:
-        (line,) = [ln for ln in out.splitlines() if ln.startswith(label)]
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(label + " ")]
         rows[label] = line
-    written = re.search(r"([\d.]+) MiB$", rows[ROWS[2]])
-    assert written and float(written.group(1)) > 0, rows  # tba moved bytes in its last step
+    for label in ROWS[2:]:
+        written = re.search(r"([\d.]+) MiB$", rows[label])
+        assert written and float(written.group(1)) > 0, rows  # tba moved bytes in its last step
     for label in ROWS[:2]:
         assert rows[label].endswith(" 0.0 MiB"), rows  # the others write nothing
     parity = "losses and final weights bit-identical to no offload: "
-    assert f"{parity}checkpointing yes, {ROWS[2]} yes" in out
+    assert f"{parity}checkpointing yes, {ROWS[2]} yes, {ROWS[3]} yes" in out
+    assert re.search(r"^tba \(budget 0.25\): [\d.]+x the step of no offload, [\d.]+x", out, re.M)
     assert re.search(r"^goal (not )?met: tba with your TBA_\* took [\d.]+x the step", out, re.M)
     return out
 
@@ -83,7 +85,7 @@ def test_verdict_comes_from_the_figures(demo):
     big = demo.verdict(med, {**peak, "tba": 50 * mib}, None)
     assert big.startswith("goal not met") and "a peak 10.0 MiB above checkpointing's" in big
     first = demo.verdict(med, peak, 60 * mib)
-    assert first.endswith("after its first step (which peaked at 60.0 MiB)")
+    assert first.endswith("after its first two steps (which peaked at 60.0 MiB)")
 
 
 def test_checkpointing_is_charged_for_what_backward_recomputes(demo, tmp_path):
