@@ -35,8 +35,10 @@ within that factor of keeping every block (the step's compute, or the compute of
 step that kept everything when that was less), and keeps every block when no smaller K is
 predicted fast enough: keeping everything costs no time. A prediction is checked against the
 step that ran it: a step over the bound (its compute plus its stalls against the same
-reference) moves the smallest K the controller may take above the K that ran, and adds what the
-prediction missed, per offloaded byte, to every K that offloads; both last until the bandwidth
+reference), and the step after it at the same K, move the smallest K the controller may take
+above the K that ran, and add what the prediction missed (the lesser of the two steps), per
+offloaded byte, to every K that offloads: one step alone, on a noisy host, would move K for
+good on an outlier. Both last until the bandwidth
 or the compute moves by more than 25%, or a probe (below) measures again.
 
 # NOTE [Reference step]
@@ -224,6 +226,8 @@ class KeepController:
         self.reference: float | None = None
         self.least_k = 0
         self.missed = 0.0
+        self.slow_at: int | None = None  # the K of the last step over the bound, if the last was
+        self.slow_took = 0.0
         # NOTE [Reference step]: each group's compute in that step, for the predictions
         self.ref_compute: list[tuple[float, float]] | None = None
         # NOTE [No absorbing state]: compute seconds to run before the next probe, the compute
@@ -307,12 +311,21 @@ class KeepController:
             drifted |= abs(base - self.kept_basis) > DRIFT * self.kept_basis
         if drifted or probed:  # conditions changed, or measured afresh: every K may run again
             self.least_k, self.missed = 0, 0.0
-        slow = allowed is None and moved > 0 and base + stalled > self.max_slowdown * ref
-        if slow and not probed:  # NOTE [Slowdown bound]: back towards keeping everything
+        took = base + stalled
+        slow = allowed is None and moved > 0 and took > self.max_slowdown * ref
+        # NOTE [Slowdown bound]: two steps in a row over the bound at the same K, not one (a
+        # single step of a noisy host would move K for good); the lesser of the two counts
+        if slow and not probed and self.slow_at != ran:
+            self.slow_at, self.slow_took, slow = ran, took, False
+        elif not slow:
+            self.slow_at = None
+        if slow and not probed:  # back towards keeping everything
+            took = min(took, self.slow_took)
+            self.slow_at = None
             self.least_k = max(self.least_k, ran + 1)
             guess = self.decision.get("predicted_step_seconds")
             if self.decision.get("k") == ran and guess is not None:
-                self.missed = max(self.missed, (base + stalled - guess) / moved)
+                self.missed = max(self.missed, (took - guess) / moved)
         due = step - self.decided_at >= self.every
         ready = self.cadence.ready(base)
         urgent = over or (slow and not probed) or probed or referenced

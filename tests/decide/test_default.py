@@ -327,3 +327,20 @@ def test_no_reference_step_under_a_budget_or_a_bounded_policy():
         ctl = controller(spare=lambda: 1 << 50, **kw)
         _measured(m, ctl, 6)
         assert ctl.reference is None and not ctl.referenced, kw
+
+
+def test_one_slow_step_alone_does_not_move_k():
+    """A noisy host: one step at K=0 takes 1.3x, the next is back on time. K stays (two steps in
+    a row over the bound move it, NOTE [Slowdown bound])."""
+    m = Contended(**{**CONTENDED, "slowed": 1.0})
+    ctl = controller(spare=lambda: 1 << 50)
+    ks = []
+    for i in range(1, 12):
+        k = ctl.k
+        if i == 4:  # an outlier
+            m.slowed = 1.3
+        m.step(ctl, i)
+        m.slowed = 1.0
+        ks.append(k)
+    assert ks[:2] == [FIRST_K, N] and ks[2] < N // 2
+    assert set(ks[2:]) == {ks[2]}, ks  # the outlier moved nothing
