@@ -160,7 +160,12 @@ class FakeCuda:
             self.active = prev
 
     def copy(self, dst, src):
-        # Reads the source when the stream runs, not now: a late read sees later changes.
+        # Reads the source when the stream runs, not now: a late read sees later changes. Until
+        # then the destination holds garbage, as fresh device memory does: poisoned now, so that
+        # a use before the copy ran never finds the right bytes by chance (an allocator that
+        # hands back the chunk an earlier, identical tensor was freed from would leave them).
+        dst.fill_(float("nan") if dst.is_floating_point() else 0x5A)
+
         def run():
             self.now_ms += self.copy_ms
             dst.copy_(src)

@@ -51,7 +51,7 @@ def test_capture_orders_producer_event_wait_copy_event(adapter, fake):
     assert kinds == ["record", "wait_event", "op", "record", "op", "record"]
     assert fake.log[0][1] == "default" and fake.log[1][1] == "side0"
     assert fake.log[3][1] == fake.log[5][1] == "side0"
-    assert not ticket.done() and torch.equal(dst, torch.zeros(16))  # nothing ran yet
+    assert not ticket.done() and torch.isnan(dst).all()  # nothing ran yet: the fake's garbage
     ticket.wait()
     assert torch.equal(dst, src)
 
@@ -249,7 +249,7 @@ def test_two_captures_in_flight_in_two_staging_blocks(fake):
     t_b = adapter.capture(b.tensor, src_b)
     t_a.wait()  # the writer thread waits for the first copy only
     assert torch.equal(a.tensor, want_a)
-    assert not t_b.done() and not torch.any(b.tensor)  # the second copy is still queued
+    assert not t_b.done() and bool((b.tensor == 0x5A).all())  # still queued: the fake's garbage
     backend = MemoryBackend(Config(environ={}, backend="memory"))
     ext = backend.allocate(65536)
     written = backend.write(ext, a.view)  # the first block goes to "disk" now
