@@ -73,6 +73,7 @@ class IO:
         self.pending: set[Future] = set()  # every write and read not yet completed
         self.live: set[Entry] = set()  # entries not yet dead
         self.adapters: dict[torch.device, tuple[DeviceAdapter, StagingPool]] = {}
+        self.staging_limit: int | None = None  # NOTE [Staging within the budget]
         self.uploading: set[torch.device] = set()  # devices whose adapter uploads read bytes
         # per device a step runs on: its timeline (NOTE [Device clock]); None: the host clock
         self.timelines: dict[torch.device, Timeline | None] = {}
@@ -114,6 +115,7 @@ class IO:
         """Use ``adapter`` and ``pool`` for tensors on ``device`` (tests put fakes in here); a
         device adapter's clock times the steps that run there, unless one does already."""
         self.adapters[device] = (adapter, pool)
+        pool.limit = self.staging_limit
         clock = getattr(adapter, "clock", None)
         if clock is not None and self.timelines.get(device) is None:
             self.timelines[device] = clock
@@ -121,6 +123,14 @@ class IO:
             self.uploading.add(device)
         else:
             self.uploading.discard(device)
+
+    def limit_staging(self, nbytes: int | None) -> None:
+        """Each staging pool's bytes in flight at most ``nbytes`` (None: its capacity), for the
+        step about to run (NOTE [Staging within the budget] in tba/datapath/capture/staging.py).
+        Lock held."""
+        self.staging_limit = nbytes
+        for _, pool in self.adapters.values():
+            pool.limit = nbytes
 
     def timeline(self, device: torch.device | None) -> Timeline | None:
         """The timeline of a step that runs on ``device`` (NOTE [Device clock]): its events on a

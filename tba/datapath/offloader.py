@@ -189,11 +189,16 @@ class Offloader:
                 )
             self._active_thread = me
             self.index.bury()
+            # NOTE [Head under adaptive keep] in tba/datapath/blocks/groups.py: step 1, bounded
+            # (set before the last step is observed: its decision is for this step)
+            bounded = self.config.memory_budget is not None or self.config.policy == "auto"
+            self.groups.head_held_back = bounded and self._steps == 0
             self._observe_last()
             self._publish(settle=True)
             self.io.trim()  # forward runs without last backward's spare read buffers
             self.groups.keep_last = self.keeper.k
             self.groups.assignment = self.policy.assignment()
+            self.io.limit_staging(self._staging_limit())
             self._steps += 1
             st = StepState(self._steps, self.clock, self.io.timeline(_device_of(model)))
             self._plan_tiers(st)
@@ -459,6 +464,18 @@ class Offloader:
             self.index.bury()  # the saves of blocks backward is done with are freed by now
             now = self.index.resident + stat.hidden_bytes
             st.peak_with_recompute_bytes = max(st.peak_with_recompute_bytes, now)
+
+    def _staging_limit(self) -> int | None:
+        """Bytes in flight at most in the step about to run: under TBA_MEMORY_BUDGET with
+        TBA_STAGING_FULL=wait, what the budget allows it (from the last step's saved bytes
+        for a fraction; none before a first step), else no limit (NOTE [Staging within the
+        budget] in tba/datapath/capture/staging.py)."""
+        cfg = self.config
+        if cfg.memory_budget is None or cfg.staging_full != "wait":
+            return None
+        last = self._last
+        allowed = allowed_bytes(cfg.memory_budget, last.saved_bytes if last is not None else 0)
+        return allowed or None
 
     def _room(self, st: StepState) -> int | None:
         """What TBA_MEMORY_BUDGET leaves for the read-ahead window of a step whose forward just

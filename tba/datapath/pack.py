@@ -381,10 +381,20 @@ class Packer:
             if cpu:
                 direct = self._direct_block(t, storage, whole, nbytes, stride)
             if direct is None:
-                block = self._room(st, staging, nbytes, lambda: staging.alloc(nbytes))
+                block = self._room(
+                    st,
+                    staging,
+                    nbytes,
+                    lambda: staging.alloc(nbytes),
+                    # the arena cannot hold more than its capacity, alone or not
+                    (lambda: staging.alloc(nbytes, alone=True))
+                    if nbytes <= staging.capacity
+                    else None,
+                )
             else:
                 held = lambda: direct if staging.hold(direct) else None  # noqa: E731
-                block = self._room(st, staging, direct.length, held)
+                alone = lambda: direct if staging.hold_alone(direct) else None  # noqa: E731
+                block = self._room(st, staging, direct.length, held, alone)
             if block is None:
                 return "staging_full"
             extent = io.allocate(block.length, dev, self.groups.stat)
@@ -450,17 +460,23 @@ class Packer:
             return None
         return DirectBlock(source, t, self.io.align)
 
-    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get):
+    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get, alone):
         """``get()``: a staging block (or a held DirectBlock), or None when staging is full.
-        With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]).
-        Lock held; released while waiting."""
+        With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]),
+        and a tensor over the staging's limit waits to go alone, ``alone()`` (NOTE [Staging
+        within the budget]). Lock held; released while waiting."""
         seen = staging.frees
         got = get()
         cfg = self.io.config
         if got is not None or cfg.staging_full != "wait" or self._waited_out == st.index:
             return got
-        if nbytes > staging.capacity:
-            return None  # could never fit: waiting would only add a stall
+        if nbytes > staging.room:
+            if alone is None:
+                return None  # could never fit: waiting would only add a stall
+            get = alone  # it goes once nothing else is in flight: now, if nothing is
+            got = get()
+            if got is not None:
+                return got
         self.writer.seal_all()  # a batch being filled frees its staging only once written
         io = self.io
         got, waited = staging.wait_for(get, seen, cfg.staging_wait, io.lock, io.clock)

@@ -100,12 +100,55 @@ def test_a_timeout_keeps_the_tensor_and_the_rest_of_the_step_does_not_wait(core,
     assert c.packer._waited_out == st.index != st2.index
 
 
-def test_a_tensor_larger_than_staging_never_waits(core):
+def test_a_tensor_larger_than_staging_goes_alone(core):
+    """NOTE [Staging within the budget]: written while nothing else is in flight, not kept for
+    the whole forward (as it was before); with nothing in flight it goes at once."""
     c = core(staging_full="wait", staging_wait=30)
+    pool = c.io.device(torch.device("cpu"))[1]
     st = c.begin()
     t0 = time.monotonic()
-    c.pack(torch.randn(512 * KIB), st)  # 2 MiB > the 1 MiB staging
-    assert time.monotonic() - t0 < 5 and st.kept_reasons["staging_full"] == 1
+    big = torch.randn(512 * KIB)  # 2 MiB > the 1 MiB staging
+    h = c.pack(big, st)
+    assert time.monotonic() - t0 < 5  # nothing was in flight: no wait
+    assert st.kept_reasons.get("staging_full", 0) == 0 and pool.in_use > pool.capacity
+    c.backend.open()
+    c.end(st)
+    c.settle()
+    want = big.clone()
+    del big
+    assert torch.equal(c.unpack(h), want) and st.tensors_offloaded == 1
+
+
+def test_under_a_limit_a_larger_tensor_waits_for_what_is_in_flight(core):
+    """NOTE [Staging within the budget]: with a 1 MiB limit on an 8 MiB staging, a 2 MiB tensor
+    waits until the 512 KiB one before it is written, then goes alone: in flight at once is
+    never more than the limit or one tensor."""
+    c = core(staging_full="wait", staging_wait=30, staging_bytes="8MiB")
+    pool = c.io.device(torch.device("cpu"))[1]
+    c.io.limit_staging(1 << 20)
+    assert pool.room == 1 << 20 and pool.capacity == 8 << 20
+    in_use = []
+    real_hold, real_alone = pool.hold, pool.hold_alone
+    pool.hold = lambda b: (real_hold(b), in_use.append((b.length, pool.in_use)))[0]
+    pool.hold_alone = lambda b: (real_alone(b), in_use.append((b.length, pool.in_use)))[0]
+    st = c.begin()
+    small, big = torch.randn(128 * KIB), torch.randn(512 * KIB)
+    hs = [c.pack(small, st)]  # its write is held at the gate
+    opened = threading.Timer(0.2, c.backend.open)
+    opened.start()
+    t0 = time.monotonic()
+    hs.append(c.pack(big, st))
+    waited = time.monotonic() - t0
+    opened.join()
+    assert waited >= 0.2  # it waited for the small one's write
+    assert st.kept_reasons.get("staging_full", 0) == 0 and st.pack_stall_seconds > 0
+    assert all(used <= max(1 << 20, n) for n, used in in_use), in_use
+    c.end(st)
+    c.settle()
+    want = [small.clone(), big.clone()]
+    del small, big
+    assert all(torch.equal(c.unpack(h), w) for h, w in zip(reversed(hs), reversed(want)))
+    assert st.tensors_offloaded == 2
 
 
 def test_bad_values_are_config_errors():
@@ -158,3 +201,30 @@ def test_the_offloader_reports_the_staging_full_it_runs_with(tmp_path):
         assert off.config.as_dict()["staging_full"] == "wait"
     with tba.Offloader(spill_dir=str(tmp_path), memory_budget=0.3, staging_full="keep") as off:
         assert off.config.staging_full == "keep"
+
+
+def test_the_offloader_limits_staging_to_the_budget(tmp_path):
+    """Each step's limit is what the budget allows it (NOTE [Staging within the budget]): a size
+    from step 1, a fraction from the last step's saved bytes; no limit without a budget or with
+    TBA_STAGING_FULL=keep."""
+    x = torch.randn(256 * KIB, requires_grad=True)
+
+    def steps(**cfg):
+        off = tba.Offloader(
+            tba.Config(spill_dir=str(tmp_path), backend="memory", environ={}, **cfg)
+        )
+        seen = []
+        with off:
+            for _ in range(2):
+                with off.step():
+                    y = (x.exp() * 2).sum()
+                    seen.append(off.io.staging_limit)
+                y.backward()
+            saved = off.stats()["saved_bytes"]
+        return seen, saved
+
+    assert steps(memory_budget="3MiB")[0] == [3 << 20, 3 << 20]
+    seen, saved = steps(memory_budget=0.5)
+    assert seen[0] is None and seen[1] == int(0.5 * saved) > 0
+    assert steps()[0] == [None, None]
+    assert steps(memory_budget="3MiB", staging_full="keep")[0] == [None, None]

@@ -35,26 +35,30 @@ its tensors, what other regions save is offloaded, and ``auto`` stays ``offload`
 them (the first) stays valid; traced, they are the plain forward.
 
 # NOTE [Head under adaptive keep]
-The head is what the forward packs after its last block: the final norm, the LM head's input,
-the logits' log-softmax. Backward unpacks it first, at once, and needs nearly all of it at the
-same moment (the loss's backward), so offloading it cannot lower the step's peak: its bytes are
-resident at the turn whether they were kept or written and read back. What offloading them does
-is cost a write, a read (or a write nobody reads, when backward takes the bytes before the write
-completes) and two checksum passes, and it puts the last block's reads behind the head's on the
-drive just when backward wants them. With a large vocabulary the head is a large share of
-what a step saves, and most of it, offloaded, is written and never read (backward takes it
-before the write completes). So while adaptive keep decides (TBA_KEEP_LAST=auto, no assignment
-from TBA_POLICY or TBA_BLOCK_POLICY), the head is kept at every K, K=0 included, and its
-simulation (``kept_from``) says the same. That writes markedly less each step for a slightly
-higher peak (the final norm's and LM head's inputs, resident until the turn rather than written;
-BENCHMARKS.md, "Defaults on a real model"). An explicit TBA_KEEP_LAST=0 still offloads the head:
-it asks for everything that can be written. When every block is recomputed (TBA_POLICY=recompute
-or selective) the head is kept too: the step's peak is at the turn, where the head and every
-block's checkpointed inputs are resident, written or not. Without blocks (pack-order windows)
-there is no head to tell apart, and neither is there when the model has a second stack of
-repeated modules (``one_stack``): in T5 or BART the blocks found are the encoder's, and what
-runs after the last of them is the whole decoder, whose tensors backward consumes layer by layer
-and whose offload does lower the peak.
+The head is what the forward packs after its last block: the final norm, the LM head's input, the
+logits' log-softmax. Backward unpacks it first, at once, and needs nearly all of it at the same
+moment (the loss's backward), so offloading it cannot lower the step's peak: its bytes are resident
+at the turn whether they were kept or written and read back. What offloading them does is cost a
+write, a read (or a write nobody reads, when backward takes the bytes before the write completes)
+and two checksum passes, and it puts the last block's reads behind the head's on the drive just when
+backward wants them. With a large vocabulary the head is a large share of what a step saves, and
+most of it, offloaded, is written and never read (backward takes it before the write completes). So
+while adaptive keep decides (TBA_KEEP_LAST=auto, no assignment from TBA_POLICY or TBA_BLOCK_POLICY),
+the head is kept at every K, K=0 included, and its simulation (``kept_from``) says the same. That
+writes markedly less each step for a slightly higher peak (the final norm's and LM head's inputs,
+resident until the turn rather than written; BENCHMARKS.md, "Defaults on a real model"). Slightly,
+not nothing: on W1 at batch 39 the kept head put step 1's peak at 272 MB against 170 MB with it
+offloaded, and under a memory cap step 1 is where a batch-size search is OOM-killed first
+(BENCHMARKS.md, "Batch headroom"). So under TBA_MEMORY_BUDGET or TBA_POLICY=auto, step 1, which runs
+before anything is measured (with no block kept: FIRST_K in tba/decide/adaptive.py), offloads the
+head too (``head_held_back``); from step 2 the rule above holds, or auto's assignment decides. An
+explicit TBA_KEEP_LAST=0 still offloads the head: it asks for everything that can be written. When
+every block is recomputed (TBA_POLICY=recompute or selective) the head is kept too: the step's peak
+is at the turn, where the head and every block's checkpointed inputs are resident, written or not.
+Without blocks (pack-order windows) there is no head to tell apart, and neither is there when the
+model has a second stack of repeated modules (``one_stack``): in T5 or BART the blocks found are the
+encoder's, and what runs after the last of them is the whole decoder, whose tensors backward
+consumes layer by layer and whose offload does lower the peak.
 """
 
 from __future__ import annotations
@@ -247,6 +251,8 @@ class GroupTracker:
         # adaptive keep's simulation asks kept_from after the step, once ``current`` is gone.
         self.one_stack = False
         self.assignment: dict[int, str] | None = None  # per-block actions (forced or chosen)
+        # step 1 under a memory budget: the head is offloaded too (NOTE [Head under adaptive keep])
+        self.head_held_back = False
         self.default_action: str | None = None  # blocks not in it; None: from keep_last
         self.recompute: Recompute | None = None  # installs recompute wrappers (the Offloader's)
         self.adaptive = False  # keep_last is chosen per step (TBA_KEEP_LAST=auto)
@@ -289,7 +295,7 @@ class GroupTracker:
         if not (self.n_blocks > 0 and self.one_stack and self.assignment is None):
             return False  # pack-order windows have no head; the chooser's plan decides it
         if self.default_action is None:
-            return self.adaptive
+            return self.adaptive and not self.head_held_back
         return self.default_action in RECOMPUTED
 
     def max_keep(self, groups: int) -> int:

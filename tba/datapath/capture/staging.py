@@ -68,20 +68,30 @@ class StagingPool:
         self.peak = 0  # most bytes of the arena in use
         self.refusals = 0
         self.held = 0  # bytes of DirectBlocks: sources held for their writes (rule 4)
+        self.limit: int | None = None  # NOTE [Staging within the budget]; None: the capacity
 
     @property
     def capacity(self) -> int:
         return self._alloc.capacity
 
     @property
+    def room(self) -> int:
+        """The most bytes in flight at once: the capacity, or less under a budget."""
+        cap = self._alloc.capacity
+        return cap if self.limit is None else min(cap, self.limit)
+
+    @property
     def in_use(self) -> int:
         """Bytes of the budget in use: the arena's and the held sources'."""
         return self._alloc.used + self.held
 
-    def alloc(self, nbytes: int) -> StagingBlock | None:
+    def alloc(self, nbytes: int, alone: bool = False) -> StagingBlock | None:
+        """A block of the arena, or None when it does not fit (``alone``: it may pass the
+        limit when nothing else is in flight, NOTE [Staging within the budget])."""
         with self._lock:
             off = None
-            if self._alloc.used + self.held + nbytes <= self.capacity:
+            used = self._alloc.used + self.held
+            if used + nbytes <= self.room or (alone and used == 0):
                 off = self._alloc.alloc(nbytes)
             if off is None:
                 self.refusals += 1
@@ -92,8 +102,17 @@ class StagingPool:
 
     def hold(self, block: DirectBlock) -> bool:
         """Count a direct capture against the budget; False (a refusal) when it does not fit."""
+        return self._hold(block, False)
+
+    def hold_alone(self, block: DirectBlock) -> bool:
+        """:meth:`hold`, or past the limit when nothing else is in flight (NOTE [Staging within
+        the budget]): its source is held while it is written either way."""
+        return self._hold(block, True)
+
+    def _hold(self, block: DirectBlock, alone: bool) -> bool:
         with self._lock:
-            if self._alloc.used + self.held + block.length > self.capacity:
+            used = self._alloc.used + self.held
+            if used + block.length > self.room and not (alone and used == 0):
                 self.refusals += 1
                 return False
             self.held += block.length
@@ -150,7 +169,8 @@ class StagingPool:
 # its bytes fit, at most TBA_STAGING_WAIT seconds per pack: the memory cap holds at the cost
 # of a stall, counted in ``stall_seconds`` and ``pack_stall_seconds``. Batches being filled
 # are sealed and written first (they free staging only once written). A tensor larger than
-# the whole staging never waits. After one timeout the rest of the step keeps without waiting,
+# the staging (or its limit under a budget) waits until nothing else is in flight and goes alone
+# (NOTE [Staging within the budget]). After one timeout the rest of the step keeps without waiting,
 # so a drive that stopped does not cost a timeout per tensor.
 # With TBA_MEMORY_BUDGET set, 'wait' is the default (an explicit TBA_STAGING_FULL stands): a
 # tensor kept for a full staging stays resident for the rest of the forward, which no budget
@@ -159,6 +179,18 @@ class StagingPool:
 # for the rest of the forward, so the peak grows with the model's depth and can pass a memory cap
 # that 'wait' holds (BENCHMARKS.md, "Batch headroom"). The Offloader's config reports the value
 # in use (with_budget_backpressure in tba/datapath/io.py).
+# NOTE [Staging within the budget]
+# Staging is part of what TBA_MEMORY_BUDGET bounds: the bytes held while their writes run count
+# in ``peak_resident_bytes``. A 256 MiB staging under a 52 MiB budget is a budget no plan can
+# keep, and how much of it fills depends on how fast the disk is at the moment: in a batch-size
+# search (BENCHMARKS.md, "Batch headroom") step 1, writing to fresh slab extents, held 100 MB more
+# than the steps after it, and a batch that fitted in one trial was OOM-killed in step 1 of the
+# next. So under a budget (with TBA_STAGING_FULL=wait, its default there) each step's staging
+# limit is the budget's allowed bytes for it (``StagingPool.limit``; the last step's saved bytes
+# for a fraction, nothing in step 1 for one), and a tensor larger than the limit waits until
+# nothing else is in flight and then goes alone, instead of being kept for the whole forward as
+# one larger than the whole staging was: in flight at once is then the limit or one tensor,
+# whichever is more, whatever the disk's speed.
 # NOTE [Direct capture]
 # On the CPU a capture into staging is a memcpy on the training thread, time paid for every byte
 # offloaded, and the pool it fills is host memory the process keeps. So a large CPU tensor is
