@@ -72,9 +72,7 @@ LABELS = {
 }
 TBA_ENV_LABEL = "tba (your TBA_*)"  # the row's name when TBA_* variables are set
 GOAL = 1.05  # tba's step over no offload's, at most (issue 41)
-# tba's first steps measure: step 1 keeps a block (adaptive keep), step 2 may keep every block
-# to measure the compute TBA_MAX_SLOWDOWN is checked against (NOTE [Reference step])
-MEASURING = 2
+MEASURING = 1  # tba's first step measures (adaptive keep keeps a block then)
 PLOT_FILE = "memory.png"
 MiB = 2**20
 
@@ -239,8 +237,8 @@ class Variant:
             self.off = tba.Offloader(tba.Config(spill_dir=spill_dir, memory_budget=BUDGET))
         self.times: list[float] = []
         self.losses: list[float] = []
-        self.peak = 0  # bytes of saved tensors resident, the most seen after the measuring steps
-        self.first_peak: int | None = None  # tba's first two steps' (they measure)
+        self.peak = 0  # bytes of saved tensors resident, the most seen after the first step
+        self.first_peak: int | None = None  # tba's first step's (it measures)
         self.steps = 0
         self.trace_peak = 0  # the recorded step's
         self.written = 0  # bytes tba wrote in its last step
@@ -351,7 +349,7 @@ def verdict(
         f"checkpointing's"
     )
     if first_peak is not None and first_peak >= peak["checkpoint"] > peak["tba"]:
-        line += f" after its first two steps (which peaked at {first_peak / MiB:.1f} MiB)"
+        line += f" after its first step (which peaked at {first_peak / MiB:.1f} MiB)"
     return line
 
 
@@ -420,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"step: median of {args.rounds} timed rounds; peak resident: bytes of saved tensors in "
-        f"memory at once (tba: from its third step on; its first two measure)"
+        f"memory at once (tba: from its second step on; its first measures)"
     )
     head = ("", "step (s)", "vs none", "peak resident", "vs none", "written/step")
     print(f"{head[0]:<18}{head[1]:>9}{head[2]:>9}{head[3]:>16}{head[4]:>9}{head[5]:>14}")
@@ -433,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     tba_first = variants["tba"].first_peak
     if tba_first is not None and tba_first != peak["tba"]:
         print(
-            f"tba's first two steps peaked at {tba_first / MiB:.1f} MiB (they keep blocks to "
-            f"measure)"
+            f"tba's first step peaked at {tba_first / MiB:.1f} MiB (adaptive keep keeps a block "
+            f"while it measures)"
         )
     print(
         "losses and final weights bit-identical to no offload: "

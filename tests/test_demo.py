@@ -85,7 +85,7 @@ def test_verdict_comes_from_the_figures(demo):
     big = demo.verdict(med, {**peak, "tba": 50 * mib}, None)
     assert big.startswith("goal not met") and "a peak 10.0 MiB above checkpointing's" in big
     first = demo.verdict(med, peak, 60 * mib)
-    assert first.endswith("after its first two steps (which peaked at 60.0 MiB)")
+    assert first.endswith("after its first step (which peaked at 60.0 MiB)")
 
 
 def test_checkpointing_is_charged_for_what_backward_recomputes(demo, tmp_path):

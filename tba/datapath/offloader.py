@@ -113,7 +113,6 @@ class Offloader:
             bounded=config.policy == "auto",  # bounded by auto's default budget share
             cadence=Cadence(clock),
             max_slowdown=config.max_slowdown,
-            spare=self._spare_bytes,  # NOTE [Reference step] in tba/decide/adaptive.py
         )
         scaled = config.sources.get("prefetch_bytes") == "default"  # NOTE [Memory budget]
         self.depth = DepthController(config.prefetch_bytes, scaled=scaled)
@@ -509,25 +508,6 @@ class Offloader:
         self.metrics.publish(
             busy, self.index.resident, io.staging_in_use(), io.disk_in_use, self.keeper.k
         )
-
-    def _spare_bytes(self) -> int | None:
-        """Memory free now where the offloaded tensors live (NOTE [Reference step] in
-        tba/decide/adaptive.py): on a GPU, free device memory plus what torch's allocator holds
-        unused; on the CPU, what the host can spare within its cgroup; None when not known."""
-        devices = {d for d in self.io.adapters if d.type != "cpu"}
-        if not devices:
-            from ..storage.hosttier import memory_room
-
-            return memory_room().bytes
-        try:
-            return min(
-                torch.cuda.mem_get_info(d)[0]
-                + torch.cuda.memory_reserved(d)
-                - torch.cuda.memory_allocated(d)
-                for d in devices
-            )
-        except (RuntimeError, AssertionError, ValueError):  # not a real CUDA device
-            return None
 
     def _peak(self, resident: int) -> None:
         """The index's resident bytes grew: the current step's peak (lock held)."""

@@ -41,19 +41,6 @@ offloaded byte, to every K that offloads: one step alone, on a noisy host, would
 good on an outlier. Both last until the bandwidth
 or the compute moves by more than 25%, or a probe (below) measures again.
 
-# NOTE [Reference step]
-The bound is checked against the compute of a step that moved nothing, and a run that has
-offloaded from step 1 on has none: its own compute is the only reference, and where the I/O
-slows the compute itself (its copies and checksums take cores the model's ops would have used,
-as on a CPU host whose cores torch already fills), the check compares a slowed step with itself
-and never fires. So once, after the first step that offloaded, the controller runs one step
-that keeps every block, which costs no time and measures the reference. Keeping every block
-holds the step's whole saved bytes at once; the step is taken only when the memory the
-offloaded bytes would take is known to be free, with half again to spare (``spare``: free
-device memory on a GPU, what the host can spare within its cgroup on a CPU), and never with
-TBA_MEMORY_BUDGET or under a bounded policy. Without it the bound stays unchecked against a
-reference, as it was.
-
 # NOTE [No absorbing state]
 Keeping every block is a state like any other, and none is final. A step that keeps everything
 writes and reads nothing, so it measures no bandwidth; left to itself the controller would
@@ -71,7 +58,6 @@ the slowdown check above: a measured step over the bound moves K up at once, up 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,15 +184,8 @@ class KeepController:
         bounded: bool = False,
         max_slowdown: float = 1.05,
         staging: tuple[int | None, bool] = (None, False),
-        spare: Callable[[], int | None] | None = None,
     ):
         self.cadence = cadence or Cadence()
-        self.bounded = bounded
-        # NOTE [Reference step]: bytes free now for a step that keeps every block (None: not
-        # known, so no such step), and whether one was taken or is running
-        self.spare = spare
-        self.referenced = False
-        self.referencing = False
         self.auto = setting == "auto"
         first = 0 if bounded or budget is not None else FIRST_K
         self.k = first if self.auto else int(setting)
@@ -228,8 +207,6 @@ class KeepController:
         self.missed = 0.0
         self.slow_at: int | None = None  # the K of the last step over the bound, if the last was
         self.slow_took = 0.0
-        # NOTE [Reference step]: each group's compute in that step, for the predictions
-        self.ref_compute: list[tuple[float, float]] | None = None
         # NOTE [No absorbing state]: compute seconds to run before the next probe, the compute
         # the keep-all decision was made on, and whether the step now running is a probe
         self.probe_owed = 0.0
@@ -270,14 +247,10 @@ class KeepController:
         base = sum(x["fwd_seconds"] + x["bwd_seconds"] for x in records)
         stalled = stalled_seconds(records)
         ran, probed = self.k, self.probing
-        referenced, self.referencing = self.referencing, False
         self.probing = False
         moved = sum(x["offloaded_bytes"] for x in records)
-        if not moved:  # nothing written: the compute of keeping everything, block by block
+        if not moved:  # nothing written: the compute of keeping everything
             self.reference = base
-            self.ref_compute = [(x["fwd_seconds"], x["bwd_seconds"]) for x in records]
-        elif self._reference_step(step, ran, max_k, saved_bytes, peak_bytes):
-            return
         ref = base if self.reference is None else min(base, self.reference)
         if probed:  # paced by what it cost (NOTE [No absorbing state])
             self.probe_owed = max(0.0, base + stalled - ref) / PROBE_SHARE
@@ -288,19 +261,14 @@ class KeepController:
         predicted = self.decision.get("predicted_peak_bytes")
         if over and predicted:  # the model underestimated this step's peak: plan with less
             self.margin = max(self.margin, peak_bytes - predicted)
-        # a group's compute is at most what it took when nothing moved (NOTE [Reference step]):
-        # what offloading adds is the missed seconds per byte, not charged twice
-        rc = self.ref_compute
-        if rc is not None and len(rc) != len(records):
-            rc = None
         groups = [
             MeasuredGroup(
-                x["fwd_seconds"] if rc is None else min(x["fwd_seconds"], rc[i][0]),
-                x["bwd_seconds"] if rc is None else min(x["bwd_seconds"], rc[i][1]),
+                x["fwd_seconds"],
+                x["bwd_seconds"],
                 x["offloaded_bytes"] + x["keepable_bytes"],
                 max(0, x.get("kept_bytes", 0) - x["keepable_bytes"]),
             )
-            for i, x in enumerate(records)
+            for x in records
         ]
         basis = (w, r) if allowed is None else (w, r, float(allowed))
         drifted = self.basis is None or any(
@@ -328,8 +296,8 @@ class KeepController:
                 self.missed = max(self.missed, (took - guess) / moved)
         due = step - self.decided_at >= self.every
         ready = self.cadence.ready(base)
-        urgent = over or (slow and not probed) or probed or referenced
-        if kept_all and max_k > 0 and not (drifted or over or referenced):
+        urgent = over or (slow and not probed) or probed
+        if kept_all and max_k > 0 and not (drifted or over):
             self.probe_owed = max(0.0, self.probe_owed - base)
             if due and self.probe_owed == 0.0:  # a probe step: the first block offloaded
                 self._probe(step, max_k)
@@ -382,39 +350,6 @@ class KeepController:
             extra = max(0.0, preds[max_k - 1].step_seconds - base)
             self.probe_owed = max(self.probe_owed, extra / PROBE_SHARE)
         self.decision["decision_seconds"] = self.cadence.spent(t0)
-
-    def _reference_step(
-        self, step: int, ran: int, max_k: int, saved_bytes: int, peak_bytes: int
-    ) -> bool:
-        """Takes the one step that keeps every block (NOTE [Reference step]) when it is due
-        and the memory is free; True when the next step is that step."""
-        if self.referenced or self.reference is not None or self.spare is None:
-            return False
-        if self.budget is not None or self.bounded or ran >= max_k or max_k == 0:
-            return False
-        self.referenced = True  # asked once, whatever the answer
-        extra = max(0, saved_bytes - peak_bytes)
-        free = self.spare()
-        if free is None or extra + extra // 2 > free:
-            log.info(
-                "tba: keep_last=auto takes no reference step: keeping every block needs %d more "
-                "bytes, %s free; TBA_MAX_SLOWDOWN is checked against offloading steps only",
-                extra,
-                "not known" if free is None else f"{free}",
-            )
-            return False
-        self.referencing = True
-        self.k = max_k
-        self.decided_at = step
-        self.decision = {
-            **self.decision,
-            "k": max_k,
-            "reason": "reference: one step keeps every block to measure the compute "
-            "TBA_MAX_SLOWDOWN is checked against",
-            "step": step,
-            "reference": True,
-        }
-        return True
 
     def _fastest_enough(self, preds, spans, kept_from, ref, max_k):
         """Without a budget: the smallest K at or above :attr:`least_k` predicted within
