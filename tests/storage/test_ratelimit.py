@@ -229,15 +229,19 @@ def test_many_threads_on_the_real_clock_get_the_rate():
     for t in threads:
         t.join(10)
     elapsed = time.monotonic() - t0
-    # The first MiB (the full bucket) goes at once, the rest at the rate.
+    assert not any(t.is_alive() for t in threads)
+    # The first MiB (the full bucket) goes at once, the rest at the rate: never faster, whatever
+    # the load. How much slower a busy host makes it is the host's, so the upper bound is loose
+    # (about 0.33 s of pacing here; it ran at 1.1x idle).
     paced = (total - MIB) / rate
-    assert paced <= elapsed < 1.25 * paced + 0.05
+    assert paced <= elapsed < 4 * paced + 1.0
     # Only the head of the line waiting for tokens counts, never more than the wall time. The
     # hand-off from an admitted op to the next head is not a wait for tokens and goes uncounted:
     # a few hundred microseconds per op when idle, up to a fifth of the run on a loaded CI
-    # machine (0.28 of 0.35 s was seen there).
+    # machine (0.28 of 0.35 s was seen there); tokens that accrue during a slow hand-off shorten
+    # the next wait, so a loaded host counts less, not more.
     throttled = bucket.throttled_seconds
-    assert 0.6 * elapsed <= throttled <= elapsed
+    assert 0.3 * paced <= throttled <= elapsed
 
 
 @pytest.mark.parametrize("release", ["drain", "uncap"])
