@@ -72,7 +72,6 @@ LABELS = {
 }
 TBA_ENV_LABEL = "tba (your TBA_*)"  # the row's name when TBA_* variables are set
 GOAL = 1.05  # tba's step over no offload's, at most (issue 41)
-MEASURING = 1  # tba's first step measures (adaptive keep keeps a block then)
 PLOT_FILE = "memory.png"
 MiB = 2**20
 
@@ -238,8 +237,7 @@ class Variant:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.peak = 0  # bytes of saved tensors resident, the most seen after the first step
-        self.first_peak: int | None = None  # tba's first step's (it measures)
-        self.steps = 0
+        self.first_peak: int | None = None  # tba's first step (adaptive keep keeps a block then)
         self.trace_peak = 0  # the recorded step's
         self.written = 0  # bytes tba wrote in its last step
         self.trace: list[tuple[float, int]] = []  # (seconds into the recorded step, bytes)
@@ -260,9 +258,8 @@ class Variant:
         if self.off is not None:
             self.off.synchronize()  # outside the time: the last writes count once they land
             st = self.off.stats()
-            self.steps += 1
-            if self.steps <= MEASURING:
-                self.first_peak = max(self.first_peak or 0, st["peak_resident_bytes"])
+            if self.first_peak is None:
+                self.first_peak = st["peak_resident_bytes"]
             else:
                 self.peak = max(self.peak, st["peak_resident_bytes"])
             self.trace_peak = st["peak_resident_bytes"]
@@ -418,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"step: median of {args.rounds} timed rounds; peak resident: bytes of saved tensors in "
-        f"memory at once (tba: from its second step on; its first measures)"
+        f"memory at once (tba: from its second step on)"
     )
     head = ("", "step (s)", "vs none", "peak resident", "vs none", "written/step")
     print(f"{head[0]:<18}{head[1]:>9}{head[2]:>9}{head[3]:>16}{head[4]:>9}{head[5]:>14}")

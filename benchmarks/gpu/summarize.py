@@ -124,22 +124,20 @@ def main() -> int:
         lines += [f"  FAILED {f}" for f in r["failed"]]
         lines += [f"  skipped {s['n']} at {s['where']}: {s['why']}" for s in r["skips"]]
     benches = [(k, report[k]) for k in ("bench", "bench_long") if k in report]
-    if benches:
+    tables = benches + (
+        [("kvikio_bench", report["kvikio_bench"])] if "kvikio_bench" in report else []
+    )
+    if tables:
         from bench_gpu import summary
 
-        for _, out in benches:
+        for key, out in tables:
+            head = f"seq {out['model']['seq']}" if key != "kvikio_bench" else "TBA_BACKEND=kvikio"
             lines += [
-                f"bench_gpu (seq {out['model']['seq']}):",
+                f"bench_gpu ({head}):",
                 *("  " + ln for ln in summary(out, targets=False).splitlines()),
             ]
+    if benches:
         lines += targets_table(benches)
-    if "kvikio_bench" in report:
-        from bench_gpu import summary
-
-        lines += [
-            "bench_gpu on TBA_BACKEND=kvikio:",
-            *("  " + ln for ln in summary(report["kvikio_bench"], targets=False).splitlines()),
-        ]
     if "relay_bench" in report:
         from bench_relay_gpu import summary as relay_summary
 

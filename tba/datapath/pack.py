@@ -14,6 +14,7 @@ or the disk refuses, the bytes stay in memory: a tensor is never lost.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -380,21 +381,12 @@ class Packer:
             direct = None
             if cpu:
                 direct = self._direct_block(t, storage, whole, nbytes, stride)
-            if direct is None:
-                block = self._room(
-                    st,
-                    staging,
-                    nbytes,
-                    lambda: staging.alloc(nbytes),
-                    # the arena cannot hold more than its capacity, alone or not
-                    (lambda: staging.alloc(nbytes, alone=True))
-                    if nbytes <= staging.capacity
-                    else None,
-                )
+            if direct is None:  # the arena holds no more than its capacity, alone or not
+                get = lambda alone=False: staging.alloc(nbytes, alone)  # noqa: E731
+                block = self._room(st, staging, nbytes, get, nbytes <= staging.capacity)
             else:
-                held = lambda: direct if staging.hold(direct) else None  # noqa: E731
-                alone = lambda: direct if staging.hold_alone(direct) else None  # noqa: E731
-                block = self._room(st, staging, direct.length, held, alone)
+                held = lambda alone=False: direct if staging.hold(direct, alone) else None  # noqa: E731
+                block = self._room(st, staging, direct.length, held, True)
             if block is None:
                 return "staging_full"
             extent = io.allocate(block.length, dev, self.groups.stat)
@@ -460,20 +452,20 @@ class Packer:
             return None
         return DirectBlock(source, t, self.io.align)
 
-    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get, alone):
+    def _room(self, st: StepState, staging: StagingPool, nbytes: int, get, can_go_alone: bool):
         """``get()``: a staging block (or a held DirectBlock), or None when staging is full.
         With TBA_STAGING_FULL=wait, a full staging is waited for (NOTE [Staging backpressure]),
-        and a tensor over the staging's limit waits to go alone, ``alone()`` (NOTE [Staging
-        within the budget]). Lock held; released while waiting."""
+        and a tensor over the staging's limit that ``can_go_alone`` waits to go alone,
+        ``get(True)`` (NOTE [Staging within the budget]). Lock held; released while waiting."""
         seen = staging.frees
         got = get()
         cfg = self.io.config
         if got is not None or cfg.staging_full != "wait" or self._waited_out == st.index:
             return got
         if nbytes > staging.room:
-            if alone is None:
+            if not can_go_alone:
                 return None  # could never fit: waiting would only add a stall
-            get = alone  # it goes once nothing else is in flight: now, if nothing is
+            get = functools.partial(get, True)  # once nothing else is in flight: now, if nothing is
             got = get()
             if got is not None:
                 return got

@@ -100,16 +100,10 @@ class StagingPool:
             self.peak = max(self.peak, self._alloc.used)
         return StagingBlock(off, length, self.arena, self)
 
-    def hold(self, block: DirectBlock) -> bool:
-        """Count a direct capture against the budget; False (a refusal) when it does not fit."""
-        return self._hold(block, False)
-
-    def hold_alone(self, block: DirectBlock) -> bool:
-        """:meth:`hold`, or past the limit when nothing else is in flight (NOTE [Staging within
-        the budget]): its source is held while it is written either way."""
-        return self._hold(block, True)
-
-    def _hold(self, block: DirectBlock, alone: bool) -> bool:
+    def hold(self, block: DirectBlock, alone: bool = False) -> bool:
+        """Count a direct capture against the budget; False (a refusal) when it does not fit
+        (``alone``: it may pass the limit when nothing else is in flight, NOTE [Staging within
+        the budget]; its source is held while it is written either way)."""
         with self._lock:
             used = self._alloc.used + self.held
             if used + block.length > self.room and not (alone and used == 0):
