@@ -473,6 +473,27 @@ def test_an_overrun_decides_at_once_paced_or_not():
     assert ctl.decision["target_bytes"] == target(ctl, limit, 8 * MiB)
 
 
+def test_an_overrun_of_a_choice_that_cannot_fit_is_not_charged():
+    """NOTE [Nothing fits]: under a budget no assignment meets, the lowest-peak one runs over it
+    as predicted. That is charged to nothing and decided again only on the cadence: the
+    target stays where it was and the search is not replayed every step."""
+    clock = FakeClock()
+    ctl = PolicyController("auto", None, every=50, cadence=Cadence(clock))
+    budget = lambda saved: 4 * MiB  # noqa: E731 - below what one offloaded block's window holds
+    ctl.observe(1, records(["offload"] * 6), 20e6, 20e6, budget, 128 * MiB)
+    assert not ctl.fits and ctl.decision["reason"] == "none fits: lowest peak"
+    first = dict(ctl.decision)
+    ctl.cadence.ready = lambda base: False  # decisions paced out for a while
+    ran = [ctl.assignment()[i] for i in range(6)]
+    for step in (2, 3, 4):
+        ctl.observe(step, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=40 * MiB)
+    assert ctl.excess == 0
+    assert ctl.decision == first  # not decided again: the step-1 choice stands
+    ctl.cadence.ready = lambda base: True  # the cadence allows one now
+    ctl.observe(5, records(ran), 20e6, 20e6, budget, 128 * MiB, peak=40 * MiB)
+    assert ctl.excess == 0 and ctl.decision["target_bytes"] == first["target_bytes"]
+
+
 def test_staging_is_bounded_as_the_run_bounds_it():
     """Under a budget tba waits for a full staging (TBA_STAGING_FULL=wait): an offload that
     outruns the disk stalls the forward. A chooser that thinks staging unbounded picks
