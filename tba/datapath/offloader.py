@@ -110,7 +110,6 @@ class Offloader:
             config.keep_last,
             config.prefetch_bytes,
             budget=config.memory_budget,
-            bounded=config.policy == "auto",  # bounded by auto's default budget share
             cadence=Cadence(clock),
             max_slowdown=config.max_slowdown,
         )

@@ -19,11 +19,11 @@ Staging is bounded as the run bounds it (TBA_STAGING_BYTES, and TBA_STAGING_FULL
 staging keeps a tensor resident, or makes the pack wait), so a disk slower than the forward
 fills staging and the rest of the step stays resident, as it does at run time.
 
-The controller decides after step 1 (which runs with K=1), then every ``every`` steps, and at
-once when the measured bandwidth moves by more than 25%, a step stalled more than 1%, a step
-went over the budget or over the slowdown bound (NOTE [Slowdown bound]). The offloader sizes
-the read-ahead window (DepthController) before the controller decides, so K is chosen for the
-window the next step uses.
+The controller decides after step 1 (which runs with K=0, FIRST_K), then every ``every``
+steps, and at once when the measured bandwidth moves by more than 25%, a step stalled more than
+1%, a step went over the budget or over the slowdown bound (NOTE [Slowdown bound]). The offloader
+sizes the read-ahead window (DepthController) before the controller decides, so K is chosen
+for the window the next step uses.
 
 # NOTE [Slowdown bound]
 What a user states is what they want, not a mechanism. With TBA_MEMORY_BUDGET, the budget is
@@ -80,12 +80,13 @@ __all__ = [
 
 log = logging.getLogger("tba")
 
-# K for the first step, before anything was measured. When memory is bounded (TBA_MEMORY_BUDGET
-# or TBA_POLICY=auto) it is 0 instead: a kept block makes step 1's peak far higher than the
-# steps after it, and so breaks the budget on the step where a memory cap is met first
-# (BENCHMARKS.md, "Batch headroom"). Step 1 still writes and reads every block, so it measures
-# the disk either way.
-FIRST_K = 1
+# K for the first step, before anything was measured: 0, budget or not. A kept block makes step
+# 1's peak far higher than the steps after it whenever the controller then offloads it, and step 1
+# is where a memory cap is met first: under a budget that breaks the budget (BENCHMARKS.md, "Batch
+# headroom"), and without one a run is killed in step 1 at a batch its later steps would hold
+# (W1 under a 1280 MiB cap at batch 32: 702 MiB resident in step 1 with one block kept, 330 MiB
+# after). Step 1 writes and reads every block, so it measures the disk for every K.
+FIRST_K = 0
 PROBE_SHARE = (
     0.01  # most share of compute the probes from keep-all cost (NOTE [No absorbing state])
 )
@@ -181,14 +182,12 @@ class KeepController:
         every: int = 20,
         budget: int | float | None = None,
         cadence: Cadence | None = None,
-        bounded: bool = False,
         max_slowdown: float = 1.05,
         staging: tuple[int | None, bool] = (None, False),
     ):
         self.cadence = cadence or Cadence()
         self.auto = setting == "auto"
-        first = 0 if bounded or budget is not None else FIRST_K
-        self.k = first if self.auto else int(setting)
+        self.k = FIRST_K if self.auto else int(setting)
         self.prefetch = prefetch_bytes
         self.every = every
         self.budget = budget
