@@ -368,13 +368,18 @@ class IO:
 BUDGET_WAITS = "default (TBA_MEMORY_BUDGET is set, or TBA_POLICY=auto, which always has one)"
 
 
+def memory_bounded(config: Config) -> bool:
+    """Whether the run bounds tba's memory: TBA_MEMORY_BUDGET is set, or TBA_POLICY=auto, whose
+    chooser holds to a budget when it has one and otherwise to TBA_MAX_SLOWDOWN."""
+    return config.memory_budget is not None or config.policy == "auto"
+
+
 def with_budget_backpressure(config: Config) -> Config:
     """``config`` with TBA_STAGING_FULL=wait when TBA_MEMORY_BUDGET is set (or TBA_POLICY=auto,
     whose default budget is DEFAULT_BUDGET_SHARE) and TBA_STAGING_FULL was left at its default,
     else ``config`` itself (NOTE [Staging backpressure]). The copy's
     ``sources`` say why (:data:`BUDGET_WAITS`); the given Config is not changed."""
-    bounded = config.memory_budget is not None or config.policy == "auto"  # auto has a budget
-    if not bounded or config.sources.get("staging_full") != "default":
+    if not memory_bounded(config) or config.sources.get("staging_full") != "default":
         return config
     out = copy.copy(config)  # not replace(): that would resolve every field afresh
     object.__setattr__(out, "staging_full", "wait")

@@ -39,7 +39,7 @@ from .blocks.groups import GroupTracker
 from .blocks.recompute import Recompute
 from .capture.dtensor import plain
 from .hook import EagerScope, OffloadHooks
-from .io import IO, check_host_memory
+from .io import IO, check_host_memory, memory_bounded
 from .pack import Packer
 from .prefetch import Prefetcher
 from .trace import TraceWriter
@@ -189,8 +189,7 @@ class Offloader:
             self.index.bury()
             # NOTE [Head under adaptive keep] in tba/datapath/blocks/groups.py: step 1, bounded
             # (set before the last step is observed: its decision is for this step)
-            bounded = self.config.memory_budget is not None or self.config.policy == "auto"
-            self.groups.head_held_back = bounded and self._steps == 0
+            self.groups.head_held_back = self._steps == 0 and memory_bounded(self.config)
             self._observe_last()
             self._publish(settle=True)
             self.io.trim()  # forward runs without last backward's spare read buffers
