@@ -132,6 +132,10 @@ class Offloader:
             staging=(self.config.staging_bytes, self.config.staging_full == "wait"),
             cadence=Cadence(clock),
             max_slowdown=config.max_slowdown,  # NOTE [Slowdown under auto]
+            # as _staging_limit bounds the run's staging (NOTE [Staging in the replays])
+            staging_within_budget=(
+                self.config.memory_budget is not None and self.config.staging_full == "wait"
+            ),
         )
         self.groups.recompute = Recompute(
             self.packer.count_hidden,

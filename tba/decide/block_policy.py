@@ -94,6 +94,16 @@ MARGIN = 0.98
 # cost]), on a drift, or when a block's cost is learned, as for any choice; one that then fits is
 # taken, and from there an overrun counts again.
 
+# NOTE [Staging in the replays]
+# Under TBA_MEMORY_BUDGET the run holds the bytes in flight to the budget (NOTE [Staging within the
+# budget] in tba/datapath/capture/staging.py): a pack over it waits for writes, and one larger than
+# it goes alone. So every replay of the controller (the choice, the keep-all reference, the window's
+# room) applies the same limit (``Setup.staging_limit``). Replayed with the arena's size alone
+# (TBA_STAGING_BYTES, 256 MiB), the forward's writes could pile up to it: on W1 at batch 8 under
+# 40 MiB, all-offload was predicted to peak at 64 MiB, the window's room was sized from that, and
+# the run went over the budget (41 to 53 MiB); at batch 37 under 149 MiB the prediction was 563 MB.
+# The forward's waits the limit causes are in the predicted step too.
+
 # NOTE [Unmeasured margin]
 # MARGIN covers the simulator's usual peak error, but not the worst of it: assignments that offload
 # much are predicted the furthest low (BENCHMARKS.md, "Planner validation"). An assignment auto has
@@ -182,9 +192,13 @@ class PolicyController:
         cadence: Cadence | None = None,
         staging: tuple[int | None, bool] = (None, False),
         max_slowdown: float | None = None,
+        staging_within_budget: bool = False,
     ):
         self.cadence = cadence or Cadence()
         self.staging = staging  # TBA_STAGING_BYTES, and whether a full staging waits
+        # the run holds the bytes in flight to the budget (TBA_MEMORY_BUDGET with a staging that
+        # waits): every replay does too (NOTE [Staging in the replays])
+        self.staging_within_budget = staging_within_budget
         # NOTE [Slowdown under auto]: the bound without a budget (None: DEFAULT_BUDGET_SHARE's
         # budget instead), the assignments measured over it, the keep-all step it is
         # measured against, and the probe of a choice that writes nothing
@@ -335,6 +349,10 @@ class PolicyController:
         self.room = self._window_room(groups, limit, prefetch, largest_read, w, r)
         self.window = prefetch if self.room is None else min(prefetch, self.room)
 
+    def _limit(self, limit: int | None) -> int | None:
+        """The staging limit the run applies under ``limit`` (NOTE [Staging in the replays])."""
+        return limit if self.staging_within_budget else None
+
     def _target(self, limit: int | None, measured: bool = True) -> int | None:
         """What an assignment must fit (NOTE [Budget margin], NOTE [Unmeasured margin]): one
         auto has run under MARGIN of ``limit``, one it has not under UNMEASURED_MARGIN."""
@@ -349,7 +367,9 @@ class PolicyController:
         if limit is None and self.max_slowdown is not None:  # NOTE [Slowdown under auto]
             n = sum(g.block for g in groups)
             keep = [fixed.get(i, "keep") for i in range(n)]
-            self.reference = predict(groups, keep, w, r, prefetch, *self.staging).step_seconds
+            self.reference = predict(
+                groups, keep, w, r, prefetch, *self.staging, staging_limit=self._limit(limit)
+            ).step_seconds
             max_step = self.max_slowdown * self.reference
         got = choose(
             groups,
@@ -369,6 +389,7 @@ class PolicyController:
             too_slow=self.too_slow,
             host_bytes=self.host_tier[0],
             host_bps=self.host_tier[1],
+            staging_limit=self._limit(limit),
         )
         spent = self.cadence.spent(t0)
         self.learned = False
@@ -436,7 +457,15 @@ class PolicyController:
         def at(win: int):  # the assignment's prediction at a window, each replayed once
             if win not in seen:
                 seen[win] = predict(
-                    groups, actions, w, r, win, *self.staging, DRIFT, *self.host_tier
+                    groups,
+                    actions,
+                    w,
+                    r,
+                    win,
+                    *self.staging,
+                    DRIFT,
+                    *self.host_tier,
+                    staging_limit=self._limit(limit),
                 )
             return seen[win]
 

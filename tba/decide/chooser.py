@@ -13,8 +13,10 @@ group before the first block is offloaded). An assignment is replayed by the sim
 adaptive keep use (NOTE [Simulator] in tba/decide/simulator/engine.py, its plain runtime case plus
 its Recompute rule, and staging bounded by TBA_STAGING_BYTES as the run bounds it: a full
 staging keeps a tensor resident, or with TBA_STAGING_FULL=wait, as ``auto`` runs, stalls the
-forward until writes free it), which predicts the step time and the peak of resident saved
-bytes (kept, staging, read-back, a recomputed block's tensors during its backward). Unbounded
+forward until writes free it; under TBA_MEMORY_BUDGET also held to the budget, NOTE [Staging
+in the replays] in tba/decide/block_policy.py), which predicts the step time and the peak of
+resident saved bytes (kept, staging, read-back, a recomputed block's tensors during its
+backward). Unbounded
 staging would make offloads that outrun the disk look free under a budget, where the run's forward
 waits for them (tests/decide/test_chooser.py, test_staging_is_bounded_as_the_run_bounds_it, pins
 this). Each block's saves are simulated as the sizes a step measured (NOTE [Measured layout] in
@@ -177,12 +179,15 @@ def predict(
     write_spread: float = 0.0,
     host_bytes: int = 0,
     host_bps: float = math.inf,
+    staging_limit: int | None = None,
 ) -> Prediction:
     """Predicted step time and peak resident bytes of one assignment (NOTE [Chooser]); with
     ``host_bytes`` the host tier of that capacity at ``host_bps`` takes what it holds of the
     offloaded bytes (the Tiers rule of NOTE [Simulator]);
     ``staging_bytes`` and ``staging_waits``: TBA_STAGING_BYTES and TBA_STAGING_FULL=wait, as
-    the run has them (None: unbounded staging). With ``write_spread`` the peak is the larger of
+    the run has them (None: unbounded staging), and ``staging_limit`` the bytes in flight a
+    memory budget allows them (the Staging rule of NOTE [Simulator]; None: no such bound).
+    With ``write_spread`` the peak is the larger of
     those at ``write_bps`` and at ``(1 - write_spread) * write_bps`` (NOTE [Write spread] in
     tba/decide/block_policy.py); the step time is the one at ``write_bps``."""
     per_group = group_actions(groups, actions)
@@ -195,6 +200,7 @@ def predict(
             prefetch_bytes=prefetch_bytes,
             staging_bytes=staging_bytes,
             staging_waits=staging_waits,
+            staging_limit=staging_limit,
             host_bytes=host_bytes,
             host_bps=host_bps,
         )
@@ -226,12 +232,14 @@ def choose(
     too_slow: Collection[tuple[str, ...]] = (),
     host_bytes: int = 0,
     host_bps: float = math.inf,
+    staging_limit: int | None = None,
 ) -> Choice:
     """The assignment of keep/offload/recompute per block that NOTE [Chooser] describes;
     ``fixed`` maps block indices to actions the search does not change; ``max_sims`` bounds the
-    local search's replays (None: no bound); staging and ``write_spread`` as :func:`predict`
-    takes them. With ``unmeasured_budget``, an assignment not in ``measured`` must fit that
-    budget rather than ``budget`` (NOTE [Unmeasured margin] in tba/decide/block_policy.py).
+    local search's replays (None: no bound); staging (``staging_limit`` too) and
+    ``write_spread`` as :func:`predict` takes them. With ``unmeasured_budget``, an assignment
+    not in ``measured`` must fit that budget rather than ``budget`` (NOTE [Unmeasured margin]
+    in tba/decide/block_policy.py).
     Without a budget, ``max_step_seconds`` bounds time instead: the lowest peak among the
     assignments predicted within it and not in ``too_slow`` (measured over it), else the
     fastest (NOTE [Slowdown under auto] in tba/decide/block_policy.py).
@@ -270,6 +278,7 @@ def choose(
                 write_spread,
                 host_bytes,
                 host_bps,
+                staging_limit,
             )
         return p
 

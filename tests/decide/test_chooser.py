@@ -659,3 +659,54 @@ def test_the_offloader_cuts_its_window_to_what_autos_assignment_leaves(make_offl
     largest = off.depth.decision["largest_read"]  # the window never goes below one read
     assert off.depth.depth == max(largest, 1 << 20) == off.prefetcher.budget
     assert "auto's assignment" in off.depth.decision["reason"]
+
+
+@pytest.mark.parametrize("within", [True, False])
+def test_the_replays_hold_staging_to_the_budget_as_the_run_does(within):
+    """NOTE [Staging in the replays]: under TBA_MEMORY_BUDGET the run holds the bytes in flight
+    to the budget, so the controller's replays do too. Blocks save 140 MiB in 0.2 s of forward
+    and the disk writes 100 MB/s: with the arena's 256 MiB alone, writes pile up in staging past
+    the 150 MiB budget; held to it, the forward waits for them instead."""
+    slow, budget = 100e6, 150 * MiB
+    ctl = PolicyController(
+        "auto",
+        tuple((i, "offload") for i in range(6)),  # forced: the replay of all-offload is the choice
+        every=50,
+        cadence=Cadence(FakeClock()),
+        staging=(256 * MiB, True),
+        staging_within_budget=within,
+    )
+    recs = records(["offload"] * 6)
+    ctl.observe(1, recs, slow, slow, lambda saved: budget, 128 * MiB)
+    groups = ctl._costs(recs)[0]
+    offload = ["offload"] * 6
+    window = 16 * MiB
+    free = predict(groups, offload, slow, slow, window, 256 * MiB, True)
+    held = predict(groups, offload, slow, slow, window, 256 * MiB, True, staging_limit=budget)
+    assert held.peak_bytes <= budget + window < free.peak_bytes  # staging, then the reads
+    assert held.step_seconds > free.step_seconds + 1.0  # the forward's waits
+    dec = ctl.decision
+    assert dec["actions"] == offload
+    as_run = predict(
+        groups,
+        dec["actions"],
+        slow,
+        slow,
+        128 * MiB,
+        256 * MiB,
+        True,
+        DRIFT,
+        staging_limit=budget if within else None,
+    )
+    assert dec["predicted_step_seconds"] == pytest.approx(as_run.step_seconds)
+    assert dec["predicted_peak_bytes"] == as_run.peak_bytes
+
+
+def test_the_offloader_tells_the_controller_when_staging_is_held_to_the_budget(make_offloader):
+    """NOTE [Staging in the replays]: the replays hold staging to the budget exactly when the
+    run does (_staging_limit: TBA_MEMORY_BUDGET with a staging that waits)."""
+    on = make_offloader(policy="auto", memory_budget="64MiB")
+    assert on.policy.staging_within_budget and on.config.staging_full == "wait"
+    assert not make_offloader(policy="auto").policy.staging_within_budget  # no budget
+    kept = make_offloader(policy="auto", memory_budget="64MiB", staging_full="keep")
+    assert not kept.policy.staging_within_budget  # a full staging keeps: no waits to model

@@ -101,6 +101,32 @@ def test_a_full_staging_keeps_or_waits(waits):
         assert r.forward_seconds == pytest.approx(2.0)
 
 
+def test_the_budgets_staging_limit_waits_and_lets_a_large_tensor_go_alone():
+    """NOTE [Staging within the budget], as the run applies it: under ``staging_limit`` a pack
+    waits while the bytes in flight would pass the limit, and a tensor larger than the limit
+    goes alone once nothing else is in flight (never kept for it). Two groups of 1 s, one
+    piece each (packed at 0.5 s and 1.5 s), writes of 4 s each, a 256 MiB arena."""
+    two = [Span(1.0, 1.0, pieces(PIECE)), Span(1.0, 1.0, pieces(PIECE))]
+
+    def run(limit):
+        su = Setup(
+            write_bps=PIECE / 4,
+            read_bps=1e12,
+            staging_bytes=256 * MiB,
+            staging_waits=True,
+            staging_limit=limit,
+        )
+        return Engine(su).step(two, 2)
+
+    free = run(None)  # the arena holds both: no wait
+    assert free.forward_seconds == pytest.approx(2.0)
+    assert free.staging_full_bytes == 0 and free.bytes_written == 2 * PIECE
+    for limit in (PIECE, PIECE // 2):  # one piece in flight at most; half a piece: alone
+        r = run(limit)
+        assert r.staging_full_bytes == 0 and r.bytes_written == 2 * PIECE  # none kept
+        assert r.forward_seconds == pytest.approx(5.0)  # the second pack waits 3 s
+
+
 def test_layout_keeps_every_byte_in_pack_order():
     MiB = 1 << 20
     sizes = [8 * MiB, 1000, 2000, 24 * MiB, 3000, 32 * MiB]

@@ -15,9 +15,12 @@ packed, needed by backward and released). The rules, as tba applies them:
   ``staging_bytes=None`` staging is unbounded. When no block fits, the tensor stays resident
   (``staging_full``) and the forward does not wait; with ``staging_waits`` (TBA_STAGING_FULL=
   wait, what a memory budget sets) the forward waits instead until completed writes free a
-  block that fits (TBA_STAGING_WAIT's timeout is not modelled). Then the capture copy runs on
-  the compute timeline (``capture_bps``) and the write is queued. Staging frees when the write
-  completes; nothing cancels a write.
+  block that fits (TBA_STAGING_WAIT's timeout is not modelled). Under a memory budget the run
+  also holds the bytes in flight to ``staging_limit``: past it a pack waits the same way, and a
+  tensor larger than the limit goes alone once nothing else is in flight, as the run's does
+  (NOTE [Staging within the budget] in tba/datapath/capture/staging.py). Then the capture
+  copy runs on the compute timeline (``capture_bps``) and the write is queued. Staging frees
+  when the write completes; nothing cancels a write.
 - Prefetch: at the end of forward the plan is the offloaded tensors in reverse pack order.
   Reads are issued in order while the bytes issued and not yet released stay within the window
   (at least one read): ``prefetch_bytes``, or with ``size_window`` the window tba's
@@ -197,6 +200,10 @@ class Engine:
             return 0
         while self.staging and self.staging[0][0] <= t:
             self.arena.free(heapq.heappop(self.staging)[1])
+        limit = self.setup.staging_limit
+        used = self.arena.used
+        if limit is not None and used + padded > limit and used:
+            return None  # over the budget's share while others are in flight: it waits
         return self.arena.alloc(padded)
 
     def step(

@@ -57,6 +57,10 @@ class Setup:
     h2d_bps: float = math.inf  # read-back host-to-device copy, on the compute timeline
     staging_bytes: int | None = None  # None: unbounded
     staging_waits: bool = False  # a pack waits for staging (TBA_STAGING_FULL=wait), else keeps
+    # the bytes in flight the run allows under a memory budget (NOTE [Staging within the
+    # budget] in tba/datapath/capture/staging.py): over it a tensor waits, or goes alone when
+    # nothing else is in flight; None: the arena's size is the only bound
+    staging_limit: int | None = None
     min_offload_bytes: int = 0
     prefetch_bytes: int = 128 << 20  # the read-ahead window, or its cap with size_window
     size_window: bool = False
