@@ -99,7 +99,7 @@ KILLED = textwrap.dedent(
     import sys, torch, tba
     off = tba.Offloader(tba.Config(spill_dir=sys.argv[1], min_offload_bytes=1,
                                    min_free_bytes=0, slab_bytes="64MiB", max_write_bps="4MB/s",
-                                   environ={}))
+                                   host_bytes=0, environ={}))  # the disk, not the host tier
     xs = [torch.randn(1 << 20, device="cuda", requires_grad=True) for _ in range(16)]
     with off.step():
         loss = sum((x.exp() * x).sum() for x in xs)

@@ -250,7 +250,8 @@ _FIELDS: dict[str, _Field] = {
         "auto",
         "Verify every read against a checksum taken at write time, so corruption on disk "
         "raises instead of becoming a wrong gradient. auto takes the fastest installed: xxh3 "
-        "(xxhash, a dependency), else crc32c (google-crc32c), else crc32 (zlib). off: none.",
+        "(xxhash, a dependency), else crc32c (google-crc32c), else crc32 (zlib), for the disk; "
+        "naming one verifies the host tier's memory too. off: none.",
     ),
     "max_write_bps": _Field(
         "TBA_MAX_WRITE_BPS",

@@ -333,9 +333,12 @@ class Offloader:
     def _observe(self, st: StepState) -> None:
         st.observed = True
         records = st.group_records()
-        w, r = st.bandwidth(True), st.bandwidth(False)
+        # the disk's rates; a step whose offloaded bytes all went to the host tier measured
+        # none, and the tier's own stand in (NOTE [Copy timing] in tba/datapath/capture/device.py)
+        w = st.bandwidth(True) or st.host_bandwidth(True)
+        r = st.bandwidth(False) or st.host_bandwidth(False)
         d2h, h2d = self._copy_bps = self.io.copy_rates()
-        w, r = _slower(w, d2h), _slower(r, h2d)  # a copy, then the disk (NOTE [Copy timing])
+        w, r = _slower(w, d2h), _slower(r, h2d)  # a copy, then the tier
         n = len(records)
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
         largest = st.largest_read()

@@ -297,11 +297,15 @@ def test_copies_are_timed_by_the_device_without_a_wait():
 @pytest.mark.gpu
 def test_on_a_gpu_a_block_is_timed_by_the_kernels_it_ran(tmp_path):
     """A block whose forward queues a long GPU sleep: on the device clock its forward takes
-    about the sleep, though the host queued it in microseconds; the trace says ``device``."""
+    about the sleep, though the host queued it in microseconds; the trace says ``device``.
+    Step 1 is not judged: the device idles while the host loads kernels and pins staging
+    (seen on an H200: a plain block's forward read 55 ms there), and the device clock counts
+    that idle time, as it should."""
     gpt = GPTConfig(vocab=512, seq=128, hidden=128, heads=4, layers=3)
     torch.manual_seed(0)
     model = GPT(gpt).cuda()
     x, y = (t.cuda() for t in random_batch(gpt, 2))
+    model(x, y).backward()  # the kernels loaded before any step is timed
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(50_000_000)
@@ -322,10 +326,12 @@ def test_on_a_gpu_a_block_is_timed_by_the_kernels_it_ran(tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     steps = [r for r in records if r["type"] == "step"]
     assert steps and all(r["clock"] == "device" for r in steps)
-    for r in records:
-        if r["type"] == "group" and r["group"] == 3:  # block 1
+    judged = [r for r in records if r["type"] == "group" and r["step"] > 1]
+    assert {r["group"] for r in judged} >= {3}, judged
+    for r in judged:
+        if r["group"] == 3:  # block 1
             assert r["fwd_seconds"] >= 0.8 * sleep_s, (r["fwd_seconds"], sleep_s)
-        elif r["type"] == "group":
+        else:
             assert r["fwd_seconds"] < 0.5 * sleep_s, r
 
 

@@ -200,3 +200,19 @@ def test_the_trace_and_metrics_name_each_tier(make_offloader, gpu_host, data, tm
     from tba.metrics.defs import METRICS
 
     assert "tba_host_tier_bytes_total" in METRICS and "tba_ssd_tier_bytes_total" in METRICS
+
+
+def test_auto_decides_when_every_byte_went_to_the_host_tier(make_offloader, gpu_host, data):
+    """With the host tier holding every offloaded byte the disk measures nothing: the
+    controllers take the tier's rates instead (NOTE [Copy timing] in tba/datapath/offloader.py),
+    so auto decides. It once never did on an H200, offloading everything, step after step."""
+    model, x = data
+    want = train(None, model, x, 4)
+    off = offloader_with_fake_cuda(make_offloader, FakeCuda(), host_bytes="64MiB", policy="auto")
+    got = train(off, model, x, 4)
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g[0], w[0]))
+    first, last = got[0][1], got[-1][1]
+    assert first["ssd_tier_bytes"] == 0 and first["host_tier_bytes"] > 0  # all offloaded
+    assert off.backend.usage()["writes"] == 0  # the disk saw nothing, in any step
+    assert last["policy_decision"].get("actions"), last["policy_decision"]

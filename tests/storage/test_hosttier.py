@@ -217,6 +217,32 @@ def test_write_copies_and_read_back_is_the_buffer_itself():
     tier.close()
 
 
+@pytest.mark.parametrize("checksum, verified", [("auto", False), ("off", False), ("xxh3", True)])
+def test_the_tier_is_checksummed_only_when_an_algorithm_is_named(
+    tmp_path, spill_dir, checksum, verified
+):
+    """NOTE [Host tier] 6: the default checksum guards the disk; a named one the tier too."""
+    room = write_proc(tmp_path, 64 * GIB // 1024)
+    backend = open_backend(cfg(spill_dir))
+    tiered, _ = with_host_tier(
+        cfg(spill_dir, host_bytes="1GiB", checksum=checksum), backend, cuda=True, room=room
+    )
+    try:
+        src = torch.randint(0, 256, (MIB,), dtype=torch.uint8)
+        ext = tiered.allocate_host(src.numel())
+        digest = tiered.write(ext, as_memoryview(src), "xxh3").result()
+        assert (digest is not None) is verified
+        tiered.host.view(ext)[3] ^= 1
+        fut = tiered.read(ext, as_memoryview(torch.empty_like(src)), "xxh3", digest)
+        if verified:
+            with pytest.raises(StorageError, match="host-tier extent"):
+                fut.result()
+        else:
+            assert fut.result() is None
+    finally:
+        tiered.close()
+
+
 def test_tiered_backend_sends_each_extent_to_its_tier(spill_dir):
     backend = open_backend(cfg(spill_dir))
     tiered = TieredBackend(backend, HostTier(4 * MIB, align=backend.alignment, room=plenty))

@@ -217,7 +217,10 @@ class DeviceClock:
 # sees it (``query`` true, or the capture thread's wait returned) or when ``_prune`` finds an
 # upload done. No wait is added. Each reading goes to ``copies`` ((to_host, bytes, seconds)),
 # which the Offloader drains between steps: the copy bandwidth bounds the tier's, since a
-# transfer is a copy and then a disk's write (or a read and then a copy), pipelined. The
+# transfer is a copy and then a disk's write (or a read and then a copy), pipelined. A step
+# that sent nothing to the disk (the host tier held it all) has no disk rate: the host tier's
+# copies give the rates instead, or the controllers would wait for a disk figure that never
+# comes (auto, on an H200, offloaded every block step after step and never decided). The
 # start events are pooled as the copy events are (NOTE [Capture events]).
 
 
