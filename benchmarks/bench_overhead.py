@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -145,8 +146,8 @@ def main(argv=None) -> int:
     try:
         for name in args.models.split(","):
             run_model(name, args, spill)
-    finally:
-        os.rmdir(spill)
+    finally:  # the node ledgers (.tba-node-quota, .tba-host-tier) stay by design: ours
+        shutil.rmtree(spill)
     return 0
 
 
