@@ -51,6 +51,18 @@ def _torch_global_modes():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_tests_see_a_cpu_host(request, monkeypatch):
+    """A test not marked ``gpu`` runs as on a machine without CUDA, on a GPU host too (the GPU
+    check runs the CPU suite there): no host tier wraps its disk backend, so a test that swaps
+    the disk's syscalls (``off.backend._preadv``) reaches them. Tests of the tier say
+    ``cuda_present`` themselves (tests/datapath/test_host_tier.py's ``gpu_host``)."""
+    if "gpu" not in request.keywords:
+        from tba.datapath import offloader
+
+        monkeypatch.setattr(offloader, "cuda_present", lambda: False)
+
+
 @pytest.fixture
 def spill_dir(tmp_path):
     return str(tmp_path / "spill")
