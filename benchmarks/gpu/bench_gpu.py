@@ -234,6 +234,12 @@ def peer_mode(name, model, dev):
     return Mode(name)  # none
 
 
+def progress(msg: str) -> None:
+    """A line on stderr as the run goes: a run cut short by its time limit still says how far it
+    got and what each mode's steps took (the table comes only at the end)."""
+    print(f"bench_gpu: {msg}", file=sys.stderr, flush=True)
+
+
 def step(model, mode, tokens, targets, dev):
     """One forward + backward; returns (seconds, peak bytes allocated, loss, stats or None)."""
     model.zero_grad(set_to_none=True)
@@ -387,12 +393,18 @@ def main(argv=None) -> dict:
         for mode in ready:  # warm-up: slabs, adaptive keep, the chooser
             if mode.name != "none":
                 for _ in range(a.warmup):
-                    step(model, mode, x, y, dev)
+                    got = step(model, mode, x, y, dev)
+            progress(f"{mode.name} warmed up: last step {got[0]:.3f} s")
         exact = exactness(model, ready, x, y, dev)
+        progress("exactness checked")
         runs = {mode.name: [] for mode in ready}
-        for _ in range(a.steps):
+        for i in range(a.steps):
             for mode in ready:
                 runs[mode.name].append(step(model, mode, x, y, dev))
+            progress(
+                f"round {i + 1} of {a.steps}: "
+                + ", ".join(f"{m} {r[-1][0]:.3f} s" for m, r in runs.items())
+            )
         offs = [mode.off for mode in ready if mode.off is not None]
         backend = offs[0].stats()["backend"] if offs else None
     finally:
