@@ -147,6 +147,8 @@ TBA_MODES = {  # name: Config overrides on top of tba's defaults; "budget": shar
 MODES = (*PEERS, *TBA_MODES)
 COUNTERS = ("bytes_offloaded", "bytes_reloaded", "stall_seconds", "pack_stall_seconds")
 LAST = ("sync_loads", "uploads_ahead", "uploads_at_unpack", "keep_last", "kept_reasons")
+# which tier the last step's bytes took, and why a tier was off (NOTE [Host tier])
+TIERS = ("host_tier", "host_tier_reason", "host_tier_bytes", "ssd_tier_bytes", "host_tier_refusals")
 
 
 class Mode:
@@ -267,6 +269,24 @@ def step(model, mode, tokens, targets, dev):
     return dt, peak, loss.detach(), stats
 
 
+def profile_step(model, mode, x, y, dev, top: int = 25) -> None:
+    """One step of ``mode`` under cProfile (the training thread, where a launch-bound GPU step
+    loses its time), its top functions by own time and by cumulative time on stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    dt = step(model, mode, x, y, dev)[0]
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        text = "\n".join(line for line in buf.getvalue().splitlines() if line.strip())
+        progress(f"profile of one {mode.name} step ({dt:.3f} s under cProfile), by {key}:\n{text}")
+
+
 def grads_of(model, mode, x, y, dev):
     loss = step(model, mode, x, y, dev)[2]
     return [loss.clone(), *(p.grad.clone() for p in model.parameters())]
@@ -348,6 +368,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spill-dir", default=None, help="default: TBA_SPILL_DIR, else a temp dir")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="modes to profile after the timed rounds: one more step each under cProfile "
+        "(the training thread only), its top functions printed on stderr; untimed",
+    )
     a = ap.parse_args(argv)
     names = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
@@ -405,6 +431,9 @@ def main(argv=None) -> dict:
                 f"round {i + 1} of {a.steps}: "
                 + ", ".join(f"{m} {r[-1][0]:.3f} s" for m, r in runs.items())
             )
+        for mode in ready:
+            if mode.name in a.profile.split(","):
+                profile_step(model, mode, x, y, dev)
         offs = [mode.off for mode in ready if mode.off is not None]
         backend = offs[0].stats()["backend"] if offs else None
     finally:
@@ -458,6 +487,7 @@ def main(argv=None) -> dict:
             sts = [r[3] for r in rs]
             r.update({k: statistics.median(s[k] for s in sts) for k in COUNTERS})
             r.update({k: sts[-1][k] for k in LAST})
+            r.update({k: sts[-1][k] for k in TIERS if k in sts[-1]})
             r["decided"] = decided(sts[-1])
             if m in TBA_MODES and "budget" in TBA_MODES[m]:
                 r["memory_budget"] = budget_of(TBA_MODES[m]["budget"], base["activation_peak"])

@@ -131,7 +131,7 @@ if [ $DRY -eq 1 ]; then
     # reason printed; the benchmark runs its tiny model; no install, no CPU suite.
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     run gpu_tests 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
-    run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --json "$OUT_DIR/bench.json"
+    run bench 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --profile tba --json "$OUT_DIR/bench.json"
     # the second run's path, kept short: three modes
     run bench_long 120 "$PY" benchmarks/gpu/bench_gpu.py --dry --seq 256 --warmup 1 --steps 1 \
         --modes none,tba,auto@0.35 --json "$OUT_DIR/bench_long.json"
@@ -162,7 +162,8 @@ else
     # with its start) still yields the GPU tests, the main table and the overhead table; the
     # caps are what each step took on an H200 with room to spare (docs/gpu.md).
     run gpu_tests 150 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
-    run bench 180 "$PY" benchmarks/gpu/bench_gpu.py --json "$OUT_DIR/bench.json"
+    run bench 180 "$PY" benchmarks/gpu/bench_gpu.py --profile tba,auto@0.5 \
+        --json "$OUT_DIR/bench.json"
     run overhead 90 "$PY" benchmarks/bench_overhead.py --device cuda --models launch,w1 --rounds 6
     run kvikio_mode 30 "$PY" -c "$KVIKIO_MODE" 0
     run kvikio_tests 60 "$PY" -m pytest -rs -q -p no:cacheprovider tests/storage/test_kvikio.py \
