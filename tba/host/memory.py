@@ -33,11 +33,19 @@ def aligned_empty(
     its memory would grow with the batch several times faster than with mappings (BENCHMARKS.md,
     "Batch headroom"). Smaller ones, and any size with ``heap`` (NOTE [Read buffers from the
     heap]), over-allocate by ``align`` bytes through torch's allocator and return an aligned
-    slice. With ``pin`` the memory is page-locked (CUDA hosts only), allocated by torch.
+    slice. With ``pin`` the memory is page-locked (CUDA hosts only), allocated by torch, whose
+    pinned allocator rounds every block up to a power of two and hands out whole page-aligned
+    blocks: so exactly ``nbytes`` is asked for first, and only a misaligned block is traded for
+    an over-allocation (asking for ``nbytes + align`` at once took twice the pinned memory for
+    every power-of-two size, the staging arena's and most activations' among them).
     """
     if not pin and not heap and nbytes >= MAPPED_BYTES and PAGE % align == 0:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return torch.frombuffer(m, dtype=torch.uint8)  # keeps ``m`` alive; unmapped with it
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % align == 0:
+            return raw
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % align
     return raw[start : start + nbytes]

@@ -13,11 +13,54 @@ import pytest
 import torch
 
 import tba.datapath.capture.device
+import tba.host.memory as memory_mod
 from tba.datapath.capture.device import CpuAdapter
 from tba.doctor import find_tcmalloc
-from tba.host.memory import PAGE, MappedPool, as_memoryview, size_class
+from tba.host.memory import PAGE, MappedPool, aligned_empty, as_memoryview, size_class
 
 MIB = 1 << 20
+
+
+class PinnedBlocks:
+    """torch's pinned allocator as it hands blocks out: a whole block of the next power of two,
+    page-aligned (``skew`` bytes off, to stand for an allocator that does not align)."""
+
+    def __init__(self, skew=0):
+        self.asked: list[int] = []
+        self.skew = skew
+        self.real = torch.empty
+
+    def __call__(self, n, dtype=None, pin_memory=False):
+        if not pin_memory:
+            return self.real(n, dtype=dtype)
+        self.asked.append(n)
+        block = 1 << (n - 1).bit_length()
+        raw = self.real(block + 2 * PAGE, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % PAGE + self.skew
+        return raw[start : start + n]
+
+
+@pytest.mark.parametrize("skew", [0, 64])
+def test_a_pinned_buffer_asks_for_its_own_size_first(monkeypatch, skew):
+    """A pinned buffer of a power-of-two size takes one block of that size, not of the next
+    power (torch rounds ``nbytes + align`` up to twice ``nbytes``); only a misaligned block
+    is traded for an over-allocation."""
+    fake = PinnedBlocks(skew)
+    monkeypatch.setattr(memory_mod.torch, "empty", fake)
+    buf = aligned_empty(64 * MIB, PAGE, pin=True)
+    assert buf.numel() == 64 * MIB and buf.data_ptr() % PAGE == 0
+    assert fake.asked == ([64 * MIB] if skew == 0 else [64 * MIB, 64 * MIB + PAGE])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_pinned_power_of_two_takes_one_block_of_its_size():
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.cuda.host_memory_stats")
+    before = stats().get("allocated_bytes.current", 0)
+    buf = aligned_empty(64 * MIB, PAGE, pin=True)
+    assert buf.is_pinned() and buf.data_ptr() % PAGE == 0
+    assert stats()["allocated_bytes.current"] - before == 64 * MIB
 
 
 def test_size_class_rounds_up_by_at_most_an_eighth():
