@@ -334,11 +334,12 @@ class Offloader:
         st.observed = True
         records = st.group_records()
         # the disk's rates; a step whose offloaded bytes all went to the host tier measured
-        # none, and the tier's own stand in (NOTE [Copy timing] in tba/datapath/capture/device.py)
-        w = st.bandwidth(True) or st.host_bandwidth(True)
-        r = st.bandwidth(False) or st.host_bandwidth(False)
+        # none, and the tier's own stand in, else its copies' (NOTE [Copy timing] in
+        # tba/datapath/capture/device.py; NOTE [Host capture] in tba/datapath/pack.py)
         d2h, h2d = self._copy_bps = self.io.copy_rates()
-        w, r = _slower(w, d2h), _slower(r, h2d)  # a copy, then the tier
+        host = st.host_tier_bytes > 0
+        w = _tier_rate(st.bandwidth(True), st.host_bandwidth(True), d2h, host)
+        r = _tier_rate(st.bandwidth(False), st.host_bandwidth(False), h2d, host)
         n = len(records)
         kept_from = lambda k: self.groups.kept_from(k, n)  # noqa: E731
         largest = st.largest_read()
@@ -420,7 +421,9 @@ class Offloader:
             offloaded = [(g, gs.host_bytes + gs.ssd_bytes) for g, gs in last.by_group.items()]
             spill = spill_groups(offloaded, host.share() - host.used)
         self.io.spill_groups = st.spill_groups = spill
-        bps = last.host_bandwidth(True) if last is not None else None
+        bps = None
+        if last is not None:  # the tier's copies, else the device copies (NOTE [Host capture])
+            bps = _slower(last.host_bandwidth(True), self._copy_bps[0]) or self._copy_bps[0]
         self.policy.host_tier = (host.share(), bps or math.inf)  # what auto's replays model
 
     def _tier_stats(self) -> dict[str, Any]:
@@ -535,6 +538,18 @@ def _device_of(model: nn.Module | None) -> torch.device | None:
     for b in model.buffers():
         return b.device
     return None
+
+
+def _tier_rate(
+    disk: float | None, host: float | None, copy: float | None, host_used: bool
+) -> float | None:
+    """The rate the controllers get: the disk's, else the host tier's, else (bytes went to the
+    tier but its transfers were the device copies themselves) the copies'; bounded by the
+    copies' either way."""
+    rate = disk or host
+    if rate is None and host_used:
+        rate = copy
+    return _slower(rate, copy)
 
 
 def _slower(tier: float | None, copy: float | None) -> float | None:

@@ -21,6 +21,7 @@ import torch
 
 from ..decide.keep import PLAIN_TYPES, Policy, is_parameter_like, unsupported
 from ..errors import internal_error
+from ..host.memory import align_up
 from ..records.entry import DEAD, FAILED, Entry
 from ..records.handle import Handle, KeptHandle, Passed, kept_alias, layout
 from ..records.index import Index
@@ -32,7 +33,7 @@ from .capture.derived import FrozenCasts, derived
 from .capture.device import CpuAdapter
 from .capture.dtensor import DTensorHandle, is_dtensor, local_of, waited
 from .capture.dtensor import kind as subclass_name
-from .capture.staging import DirectBlock, StagingPool
+from .capture.staging import DirectBlock, HostBlock, StagingPool
 from .io import IO
 from .write import Writer
 
@@ -378,10 +379,14 @@ class Packer:
             block = batch.carve(nbytes)
             st.coalesced_tensors += 1
         else:
-            direct = None
+            direct = block = None
             if cpu:
                 direct = self._direct_block(t, storage, whole, nbytes, stride)
-            if direct is None:  # the arena holds no more than its capacity, alone or not
+            else:  # NOTE [Host capture]: into the tier itself
+                block = self._host_block(dev, nbytes, staging.align)
+            if block is not None:
+                extent = block.extent
+            elif direct is None:  # the arena holds no more than its capacity, alone or not
                 get = lambda alone=False: staging.alloc(nbytes, alone)  # noqa: E731
                 block = self._room(st, staging, nbytes, get, nbytes <= staging.capacity)
             else:
@@ -389,7 +394,8 @@ class Packer:
                 block = self._room(st, staging, direct.length, held, True)
             if block is None:
                 return "staging_full"
-            extent = io.allocate(block.length, dev, self.groups.stat)
+            if extent is None:
+                extent = io.allocate(block.length, dev, self.groups.stat)
             if extent is None:
                 block.release()
                 return writer.refused(st)
@@ -437,6 +443,33 @@ class Packer:
         st.entries.append(e)  # counted offloaded once written (NOTE [Counted once])
         writer.captured_by(e, ticket)
         return e
+
+    # NOTE [Host capture]
+    # With a host tier (NOTE [Host tier] in tba/storage/hosttier.py) a device tensor's bytes are
+    # copied from the device straight into the host extent that will hold them, not into
+    # staging and then, on the tier's one thread, into the extent: that memcpy bounded what the
+    # tier took far below what PCIe moves, and staging filled (on an H200, 232 tensors a step
+    # were kept for it). The extent's pinned buffer stands where the staging block would
+    # (:class:`HostBlock`): charged the same way until the copy completes, when the entry is
+    # written at once, with no write to issue (Writer._write). Not so for a group the disk
+    # takes first (NOTE [Tier order] in tba/decide/tiers.py), nor with the tier's checksums on
+    # (NOTE [Host tier] 6: its thread hashes what it copies), nor when the tier is full: those
+    # go through staging as before. The tier's write rate is then the device copies' (NOTE
+    # [Copy timing] in tba/datapath/capture/device.py).
+    def _host_block(self, dev, nbytes: int, align: int) -> HostBlock | None:
+        """A host-tier extent's buffer for ``nbytes`` of a tensor on ``dev``, or None where
+        NOTE [Host capture] sends it through staging. Lock held."""
+        io = self.io
+        tier = io.tier
+        if tier is None or tier.host.verify_bytes or dev not in io.uploading:
+            return None
+        stat = self.groups.stat
+        if stat is not None and stat.group < io.spill_groups:
+            return None
+        extent = tier.allocate_host(align_up(nbytes, align))
+        if extent is None:
+            return None
+        return HostBlock(tier.host.view(extent), extent)
 
     def _direct_block(self, t, storage, whole: bool, nbytes: int, stride):
         """A DirectBlock for ``t``'s own bytes (not yet counted against the staging budget), or

@@ -21,7 +21,10 @@ NOTE [Host tier]
    cgroup's limit less its usage (:func:`memory_room`); a size beyond it is a ConfigError at
    start naming the figures. Each reservation reads it again and refuses (the bytes go to disk)
    when it would leave less than :data:`GUARD` bytes, saying so once.
-5. A write is a copy on the tier's thread; a read-back is the extent's buffer itself, no copy:
+5. A device tensor is copied from the device straight into its extent (NOTE [Host capture] in
+   tba/datapath/pack.py); what comes through staging (a full tier's fallback, the tier's
+   checksums on) is written by a copy on the tier's thread. A read-back is the extent's buffer
+   itself, no copy:
    the device prefetch uploads straight from it (the CUDA adapter holds it until its H2D copy
    has completed, NOTE [CUDA ordering] 4), and freeing the extent only drops the tier's
    reference. So each extent is a buffer of its own: a range of a shared arena could be handed

@@ -216,3 +216,46 @@ def test_auto_decides_when_every_byte_went_to_the_host_tier(make_offloader, gpu_
     assert first["ssd_tier_bytes"] == 0 and first["host_tier_bytes"] > 0  # all offloaded
     assert off.backend.usage()["writes"] == 0  # the disk saw nothing, in any step
     assert last["policy_decision"].get("actions"), last["policy_decision"]
+
+
+@pytest.mark.parametrize("checksum", ["auto", "xxh3"])
+def test_device_bytes_are_copied_straight_into_the_tier(make_offloader, gpu_host, data, checksum):
+    """NOTE [Host capture]: the device copy lands in the tier's own buffer, with no staging and
+    no copy on the tier's thread after it; with the tier's checksums on (a named algorithm)
+    the bytes go through staging and the tier's thread, which hashes them. Bit-exact either
+    way, over copies that run only when something waits for them."""
+    model, x = data
+    want = train(None, model, x, 2)
+    off = offloader_with_fake_cuda(
+        make_offloader, FakeCuda(), host_bytes="64MiB", checksum=checksum
+    )
+    got = train(off, model, x, 2)
+    for (g, st, _), (w, _, _) in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+        assert st["host_tier_bytes"] > 0 and st["ssd_tier_bytes"] == 0
+    staging = off.io.device(torch.device("cpu"))[1]
+    usage = off.backend.usage()
+    if checksum == "auto":
+        assert usage["host_tier_writes"] == 0, usage  # no copy after the device's
+        # single: no staging at all; coalesce: only batches of tensors under 1 MiB (none here)
+        assert staging.peak == 0, staging.peak
+    else:
+        assert usage["host_tier_writes"] > 0 and staging.peak > 0
+
+
+def test_a_source_modified_before_its_copy_into_the_tier_raises_like_stock(
+    make_offloader, gpu_host
+):
+    """NOTE [Host capture]: the copy into the tier runs late (the fake's copies run when waited
+    for), so an in-place change before it is caught by the version check, as stock autograd
+    catches it: never the changed bytes as a gradient."""
+    off = offloader_with_fake_cuda(make_offloader, FakeCuda(), host_bytes="64MiB")
+    a = torch.randn(NUMEL, requires_grad=True)
+    with off.step():
+        h = a * 2
+        y = torch.sin(h)  # saves h: 1 MiB, offloaded into the tier
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    del y, h  # the graph that failed still held its saved tensor, as stock's does
+    assert off.stats()["host_tier_bytes_in_use"] == 0

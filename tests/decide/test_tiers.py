@@ -48,6 +48,17 @@ def run(setup, actions=("offload",) * 3):
     return res
 
 
+def test_a_tensor_bound_for_the_tier_takes_no_staging():
+    """NOTE [Host capture]: the device copy lands in the tier, so a staging of 150 B, which lets
+    one 100 B transfer (10 s at 10 B/s) at a time through to the disk, holds back none of the
+    tier's, whose copies are as slow."""
+    disk = run(Setup(write_bps=10, read_bps=50, staging_bytes=150))
+    assert disk.bytes_written < 300  # staging full while the disk writes: some kept
+    slow = {"write_bps": 10, "read_bps": 50, "staging_bytes": 150, "host_bps": 10}
+    tier = run(Setup(**slow, host_bytes=1000))
+    assert tier.host_bytes_written == tier.bytes_written == 300 and tier.spill_groups == 0
+
+
 def test_without_a_tier_every_byte_goes_to_disk():
     res = run(Setup(write_bps=100, read_bps=50))
     assert res.host_bytes_written == 0 and res.ssd_bytes_written == res.bytes_written == 300

@@ -55,6 +55,22 @@ class StagingBlock:
         return io_buffer(self.tensor)
 
 
+class HostBlock(StagingBlock):
+    """A host-tier extent's own pinned buffer, standing where a staging block would: the device
+    copy lands in the tier at once, and there is no write after it (NOTE [Host capture] in
+    tba/datapath/pack.py). Releasing it drops this reference only: the tier holds the buffer
+    until the extent is freed."""
+
+    __slots__ = ("extent",)
+
+    def __init__(self, buf: torch.Tensor, extent: Any):
+        super().__init__(0, buf.numel(), buf, None)  # type: ignore[arg-type]
+        self.extent = extent
+
+    def release(self) -> None:
+        self.base = None  # type: ignore[assignment]
+
+
 class StagingPool:
     """``capacity`` bytes of aligned host memory, handed out in ``align`` multiples."""
 

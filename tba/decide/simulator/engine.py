@@ -55,9 +55,12 @@ packed, needed by backward and released). The rules, as tba applies them:
   over the bytes each group offloaded in the engine's last step, as the runtime measures them,
   or on a first step every byte the group could offload (more than a full staging lets through:
   conservative, it sends more to the disk).
-  Its staging frees when the copy into the tier completes; the tier frees an entry's bytes at
-  its use. The actions ``host`` and ``ssd`` force a group's tier (when ``host`` finds the tier
-  full, the disk). ``bytes_written``/``bytes_read`` count both tiers; ``ssd_bytes_written`` and
+  A tensor bound for the tier takes no staging: the device copy lands in the tier's buffer,
+  charged as staging is until that copy (a queue at ``host_bps``) completes (NOTE [Host
+  capture] in tba/datapath/pack.py; the runtime's fallbacks through staging, a named checksum
+  and a full tier, are not modelled); the tier frees an entry's bytes at its use. The
+  actions ``host`` and ``ssd`` force a group's tier (when ``host`` finds the tier full, the
+  disk). ``bytes_written``/``bytes_read`` count both tiers; ``ssd_bytes_written`` and
   ``host_bytes_written`` split them.
 - Steps run back to back on one :class:`Engine` carry the disk queues and staging over.
 
@@ -325,25 +328,28 @@ class Engine:
         return spill_groups(per_group, su.host_bytes - self.host_used)
 
     def _write(self, tp: float, nbytes: int, tier: str = "") -> tuple[_Entry | None, float]:
-        """Offload ``nbytes`` packed at ``tp``: a staging block, the capture copy (its seconds
-        are returned: they delay the forward) and the write, to the host tier unless ``tier``
-        is "ssd" or the tier is full (the Tiers rule). None when staging is full."""
+        """Offload ``nbytes`` packed at ``tp``: a staging block (none for the host tier), the
+        capture copy (its seconds are returned: they delay the forward) and the write, to the
+        host tier unless ``tier`` is "ssd" or the tier is full (the Tiers rule). None when
+        staging is full."""
         su = self.setup
         padded = -(-nbytes // su.align) * su.align
-        at = self._stage(tp, padded)
+        host = tier != "ssd" and su.host_bytes > 0 and self.host_used + padded <= su.host_bytes
+        at = None
         waited = 0.0
-        if at is None and su.staging_waits and padded <= (su.staging_bytes or 0):
+        if not host:  # a host-tier write takes no staging (the Tiers rule)
+            at = self._stage(tp, padded)
+        if not host and at is None and su.staging_waits and padded <= (su.staging_bytes or 0):
             t = tp  # the pack waits for writes to free a block (the Staging rule)
             while at is None and self.staging:
                 t = self.staging[0][0]
                 at = self._stage(t, padded)
             waited = t - tp
-        if at is None:
+        if at is None and not host:
             return None, 0.0
         tp += waited
         self.mem(tp, padded, _HOST)
         copy = nbytes / su.capture_bps
-        host = tier != "ssd" and su.host_bytes > 0 and self.host_used + padded <= su.host_bytes
         if host:
             done = self.hwq.submit(tp + copy, padded, su.host_bps)
             self.host_used += padded
@@ -352,7 +358,7 @@ class Engine:
         else:
             done = self.wq.submit(tp + copy, padded, su.write_bps)
             self.tiered["ssd"] += nbytes
-        if self.arena is not None:
+        if self.arena is not None and at is not None:
             heapq.heappush(self.staging, (done, at))
         self.mem(done, -padded, _HOST)
         return _Entry(nbytes, padded, done, host), waited + copy
