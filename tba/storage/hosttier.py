@@ -191,6 +191,7 @@ class HostTier:
         self.chunk = chunk
         self.verify_bytes = verify  # checksums over this tier's bytes (rule 6)
         self.reserved = 0  # this rank's reservation
+        self._looked = 0  # the surplus (reserved - used) at the last look at the ledger
         self.used = 0  # bytes of live host extents
         self.peak = 0
         self.refusals = 0  # allocations sent to the disk: no room in the tier
@@ -235,6 +236,7 @@ class HostTier:
             self._bufs[key] = buf
             self.used += cost
             self.peak = max(self.peak, self.used)
+            self._looked = min(self._looked, self.reserved - self.used)
         return HostExtent(key, 0, n)
 
     def _grow(self, need: int) -> bool:
@@ -288,11 +290,19 @@ class HostTier:
                     "storage", f"free of an unknown host-tier extent {extent.slab}: double free"
                 )
             self.used -= self.charge(buf.numel())
-            if self.ledger is not None and self.reserved - self.used >= 2 * self.chunk:
-                excess = self.ledger.excess(self.reserved)  # NOTE [Node quota] 6: give back
-                cut = min(excess, self.reserved - self.used) // PAGE * PAGE
+            surplus = self.reserved - self.used
+            # NOTE [Node quota] 6: give back what is over the share when another rank wants
+            # it. Reading the ledger is a locked file read, and backward frees on the thread
+            # that launches its kernels: once per chunk of surplus, not at every free
+            if self.ledger is not None and surplus >= max(
+                2 * self.chunk, self._looked + self.chunk
+            ):
+                self._looked = surplus
+                excess = self.ledger.excess(self.reserved)
+                cut = min(excess, surplus) // PAGE * PAGE
                 if cut > 0:
                     self.reserved -= cut
+                    self._looked = self.reserved - self.used
                     self.ledger.set(self.reserved)
 
     # -- bytes ------------------------------------------------------------------------------------
