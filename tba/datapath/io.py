@@ -35,7 +35,7 @@ from ..storage.base import Backend, Extent, Span
 from ..storage.checksum import resolve
 from ..storage.hosttier import HostExtent, TieredBackend
 from .capture.device import CpuAdapter, DeviceAdapter, DeviceClock, adapter_for
-from .capture.staging import DirectBlock, StagingPool
+from .capture.staging import DirectBlock, HostBlock, StagingPool
 
 log = logging.getLogger("tba")
 
@@ -186,6 +186,12 @@ class IO:
             self.free_staging(e)
             self.index.charge(e.padded)
             e.hold(blk.tensor, from_disk=False)
+            return
+        if isinstance(blk, HostBlock):  # the tier's own buffer (NOTE [Host capture] in pack.py)
+            buf = blk.tensor
+            self.free_staging(e)
+            self.index.charge(e.padded)
+            e.hold(buf, from_disk=False)
             return
         e.hold(self.copy_out(e), from_disk=False)
         self.free_staging(e)

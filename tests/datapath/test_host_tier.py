@@ -259,3 +259,27 @@ def test_a_source_modified_before_its_copy_into_the_tier_raises_like_stock(
         y.sum().backward()
     del y, h  # the graph that failed still held its saved tensor, as stock's does
     assert off.stats()["host_tier_bytes_in_use"] == 0
+
+
+def test_a_tensor_wanted_while_it_is_copied_into_the_tier_is_read_from_its_buffer(
+    make_offloader, gpu_host, data
+):
+    """Backward at once after the forward, the copies still queued: what the read-ahead wants
+    before its copy completed is read from the tier's buffer itself, never copied into a read
+    buffer of its own (NOTE [Host capture])."""
+    model, x = data
+    want = train(None, model, x, 1)[0][0]
+    off = offloader_with_fake_cuda(make_offloader, FakeCuda(), host_bytes="64MiB")
+    adapter = off.io.device(torch.device("cpu"))[0]
+    made = []
+    real = adapter.host_buffer
+    adapter.host_buffer = lambda n, a: made.append(n) or real(n, a)
+    for _ in range(2):
+        model.zero_grad()
+        with off.step(model):
+            loss = model(x)
+        loss.backward()  # no synchronize: the last blocks are wanted while being copied
+        off.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(grads(model), want))
+    assert off.stats()["host_tier_bytes"] > 0
+    assert made == []
