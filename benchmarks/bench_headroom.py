@@ -5,10 +5,13 @@ batch of B sequences and runs forward+backward ``--steps`` times (default 3, the
 mode, so that max batches compare), with no optimizer, as bench_step does (the second step is
 tba's steady state: it has a prefetch plan, and for ``TBA_KEEP_LAST=auto`` a keep decision; the
 third is auto's first step on what it learnt, and a third step has killed per-block
-checkpointing at a batch that fit two). "Fits" means the child exits 0; "does not fit" means
-the kernel OOM-killed it in its cgroup, or torch raised an out-of-memory error (the output says
-in which step). For each mode the batch size is searched exponentially (1, 2, 4, ...) and then by
-bisection; the baseline (none) from ``--start``, the others from the baseline's result.
+checkpointing at a batch that fit two). "Fits" means the child exits 0, and for auto also that
+no step's tba peak passed its budget; "does not fit" means the kernel OOM-killed it in its
+cgroup, or torch raised an out-of-memory error (the output says in which step), or auto went
+over its budget (a batch where nothing fits the budget the cap implies: it ran on the margin,
+and at such a batch, 44, auto was OOM-killed in step 4 of a 5-step timing trial, 2026-12-04).
+For each mode the batch size is searched exponentially (1, 2, 4, ...) and then by bisection;
+the baseline (none) from ``--start``, the others from the baseline's result.
 
 Modes: ``none`` (no tba), ``tba`` (tba as configured: TBA_POLICY=offload unless ``--env`` says
 otherwise), ``checkpoint`` (no tba, every block under ``torch.utils.checkpoint``), ``auto`` (tba
@@ -633,6 +636,24 @@ def _actions(policy) -> str:
     return "".join(_LETTERS.get(x, "?") for x in policy) if policy else "-"
 
 
+def over_budget(rec: dict) -> str:
+    """Why an auto trial that ran under the cap is still no fit: a step whose tba peak passed
+    the budget it was given (nothing fits that budget at this batch, NOTE [Nothing fits]; it
+    ran on the margin, and a longer run was OOM-killed there, 2026-12-04). "" when it kept it."""
+    budget = (rec.get("budget") or {}).get("budget_bytes")
+    per = (rec.get("child") or {}).get("tba_steps") or []
+    if rec["mode"] != "auto" or budget is None:
+        return ""
+    for i, x in enumerate(per, 1):
+        peak = x.get("peak_with_recompute_bytes") or 0
+        if peak > budget:
+            return (
+                f"over its budget in step {i}: tba peak {peak / MiB:.0f} MiB > "
+                f"{budget / MiB:.0f} MiB"
+            )
+    return ""
+
+
 # -- the parent ---------------------------------------------------------------------------------
 class Runner:
     def __init__(self, args, cap: Cap, spill_root: str):
@@ -770,7 +791,9 @@ class Runner:
             if not self.cap.enforced and limit is not None and rss > limit:
                 rec["verdict"], rec["why"] = "no", "peak RSS above the cap (not enforced)"
             else:
-                rec["verdict"], rec["why"] = "fits", ""
+                rec["verdict"], rec["why"] = "fits", over_budget(rec)
+                if rec["why"]:  # auto's budget is a bound: luck under the cap is no fit
+                    rec["verdict"] = "no"
         elif proc.returncode == -9 and (info.get("oom_kills", 0) > 0 or not self.cap.enforced):
             rec["verdict"], rec["why"] = "no", f"OOM-killed in its cgroup{killed_in}"
         elif proc.returncode == EXIT_TRIAL_OOM:
