@@ -26,5 +26,7 @@ fetch "$DIR/kvikio" "kvikio-cu13==26.10.*" "libkvikio-cu13==26.10.*" "rapids-log
 # torchtune 0.6.1 needs a torchao that still has torchao.dtypes.nf4tensor (0.11.0; 0.18.0 lacks
 # it); omegaconf 2.4 needs no antlr (2.3's antlr 4.9 has no wheel)
 fetch "$DIR/torchtune" torchtune==0.6.1 torchao==0.11.0 "omegaconf>=2.4"
+# the tree this is for (run_check.sh prints it; write it again before each call if HEAD moved)
+echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)" >"$DIR/COMMIT"
 du -sh "$DIR"/* | sed 's/^/carry: /'
 find "$DIR" -name "*.whl" | sort | sed "s/^/carry:   /"

@@ -15,6 +15,9 @@ export BUDGET_S=${BUDGET_S:-540}
 [ -d gpu-wheels/torchtune ] && export TORCHTUNE_WHEELS=${TORCHTUNE_WHEELS:-gpu-wheels/torchtune}
 echo "run_check: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
     "BUDGET_S=$BUDGET_S, kvikio wheels: ${KVIKIO_WHEELS:-none}, torchtune wheels: ${TORCHTUNE_WHEELS:-none}"
+# The copy's git history can lag its tree (2026-12-04: a 098d73f tree said 8df3dd9): the
+# commit written beside the wheels just before the call (docs/gpu.md) is the one to trust.
+[ -f gpu-wheels/COMMIT ] && echo "run_check: tree of $(cat gpu-wheels/COMMIT) (gpu-wheels/COMMIT)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 benchmarks/gpu/check.sh
 rc=$?
