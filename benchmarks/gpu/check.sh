@@ -162,7 +162,7 @@ else
     # with its start) still yields the GPU tests, the main table and the overhead table; the
     # caps are what each step took on an H200 with room to spare (docs/gpu.md).
     run gpu_tests 150 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests
-    run bench 180 "$PY" benchmarks/gpu/bench_gpu.py --profile tba,auto@0.5 \
+    run bench 180 "$PY" benchmarks/gpu/bench_gpu.py --profile tba,auto@0.5,recompute \
         --json "$OUT_DIR/bench.json"
     run overhead 90 "$PY" benchmarks/bench_overhead.py --device cuda --models launch,w1 --rounds 6
     run kvikio_mode 30 "$PY" -c "$KVIKIO_MODE" 0
