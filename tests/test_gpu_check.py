@@ -364,3 +364,15 @@ def test_the_dry_run_runs_every_mode(tmp_path, capsys):
     assert "prediction_error" in out["modes"]["auto@0.35"]
     assert [t["target"] for t in out["acceptance"]] == list(bench.TARGETS)
     assert "targets (issue 40) (dry run" in capsys.readouterr().out
+
+
+def test_the_benchmark_says_which_tier_a_steps_bytes_took():
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpu", ROOT / "benchmarks" / "gpu" / "bench_gpu.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    st = {"policy": "offload", "keep_last": 2, "host_tier": "on"}
+    st.update(host_tier_bytes=420 << 20, ssd_tier_bytes=44 << 20)
+    assert bench.decided(st) == "offload, keep_last 2; host tier 420 / ssd 44 MiB"
+    assert bench.decided({**st, "host_tier": "off"}) == "offload, keep_last 2"

@@ -320,13 +320,17 @@ def decided(st: dict) -> str:
     took to decide."""
     d = st.get("policy_decision", {})
     acts = d.get("actions")
+    tiers = ""
+    if st.get("host_tier") == "on":  # which tier the step's bytes took (NOTE [Host tier])
+        host, ssd = st.get("host_tier_bytes", 0) >> 20, st.get("ssd_tier_bytes", 0) >> 20
+        tiers = f"; host tier {host} / ssd {ssd} MiB"
     if acts:
         mix = ", ".join(f"{acts.count(a)} {a}" for a in ("keep", "offload", "recompute"))
         return (
             f"{mix} (predicted step {d['predicted_step_seconds']:.3f} s, "
-            f"decided in {d.get('decision_seconds', 0.0):.2f} s)"
+            f"decided in {d.get('decision_seconds', 0.0):.2f} s){tiers}"
         )
-    return f"{st['policy']}, keep_last {st['keep_last']}"
+    return f"{st['policy']}, keep_last {st['keep_last']}{tiers}"
 
 
 def saved_peak(model, x, y) -> int:
