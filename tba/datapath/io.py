@@ -182,13 +182,9 @@ class IO:
         ``peak_resident_bytes`` for a large last tensor, e.g. a language model's logits). Lock
         held."""
         blk = e.staging
-        if isinstance(blk, DirectBlock):
-            self.free_staging(e)
-            self.index.charge(e.padded)
-            e.hold(blk.tensor, from_disk=False)
-            return
-        if isinstance(blk, HostBlock):  # the tier's own buffer (NOTE [Host capture] in pack.py)
-            buf = blk.tensor
+        # the source itself, or the host tier's own buffer (NOTE [Host capture] in pack.py)
+        if isinstance(blk, (DirectBlock, HostBlock)):
+            buf = blk.tensor  # before the release: a HostBlock's drops its buffer
             self.free_staging(e)
             self.index.charge(e.padded)
             e.hold(buf, from_disk=False)

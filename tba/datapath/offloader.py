@@ -423,7 +423,7 @@ class Offloader:
         self.io.spill_groups = st.spill_groups = spill
         bps = None
         if last is not None:  # the tier's copies, else the device copies (NOTE [Host capture])
-            bps = _slower(last.host_bandwidth(True), self._copy_bps[0]) or self._copy_bps[0]
+            bps = _tier_rate(None, last.host_bandwidth(True), self._copy_bps[0], True)
         self.policy.host_tier = (host.share(), bps or math.inf)  # what auto's replays model
 
     def _tier_stats(self) -> dict[str, Any]:

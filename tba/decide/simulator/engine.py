@@ -339,14 +339,14 @@ class Engine:
         waited = 0.0
         if not host:  # a host-tier write takes no staging (the Tiers rule)
             at = self._stage(tp, padded)
-        if not host and at is None and su.staging_waits and padded <= (su.staging_bytes or 0):
-            t = tp  # the pack waits for writes to free a block (the Staging rule)
-            while at is None and self.staging:
-                t = self.staging[0][0]
-                at = self._stage(t, padded)
-            waited = t - tp
-        if at is None and not host:
-            return None, 0.0
+            if at is None and su.staging_waits and padded <= (su.staging_bytes or 0):
+                t = tp  # the pack waits for writes to free a block (the Staging rule)
+                while at is None and self.staging:
+                    t = self.staging[0][0]
+                    at = self._stage(t, padded)
+                waited = t - tp
+            if at is None:
+                return None, 0.0
         tp += waited
         self.mem(tp, padded, _HOST)
         copy = nbytes / su.capture_bps
